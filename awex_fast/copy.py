@@ -1,0 +1,277 @@
+"""Batched strided copy between torch tensors, executed by the native core in one call.
+
+``pack(views, out)`` writes many views (any strides) back to back into a 1-D tensor, casting to
+``out.dtype``; ``unpack(buf, views)`` is its inverse, casting to each view's dtype. Same-dtype
+copies are bitwise for any element size; casts are among float32, bfloat16 and float16 and round
+exactly as ``Tensor.to`` does. The executor uses the lower-level face: `gather_program` /
+`scatter_program` build a `CopyProgram` for views placed at explicit byte offsets inside a bucket
+once, and `CopyProgram.run` replays it every update without rebuilding descriptors.
+
+Everything is validated here, before any byte moves: sizes, dtype pairs, devices, bounds, and
+that no two destinations overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from awex_fast._native import native
+
+_copy = native().copy
+_CUDA_BUILT: bool = bool(native().build_info()["cuda"])
+
+DESC_WORDS: int = _copy.DESC_WORDS
+MAX_DIMS: int = _copy.MAX_DIMS
+_SHAPE, _SSTRIDE, _DSTRIDE = 5, 5 + MAX_DIMS, 5 + 2 * MAX_DIMS
+
+# dtype code = kind | itemsize << 8 (csrc/copy/copy.h). Float kinds may be cast among each other;
+# every other dtype is copied bitwise and only to itself.
+_FLOAT_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The native core's code for ``dtype``."""
+    return _FLOAT_KINDS.get(dtype, 0) | (dtype.itemsize << 8)
+
+
+def check_dtype_pair(src: torch.dtype, dst: torch.dtype, what: str = "copy") -> None:
+    """Raise ValueError unless ``src`` can be copied to ``dst`` (equal, or both cast-able floats)."""
+    if src != dst and not (src in _FLOAT_KINDS and dst in _FLOAT_KINDS):
+        raise ValueError(
+            f"{what}: unsupported dtype pair {src} -> {dst} "
+            "(casts are among float32, bfloat16 and float16; other dtypes copy only to themselves)"
+        )
+
+
+try:  # DTensors must be unwrapped by the caller: their data_ptr is not their local shard's.
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
+
+
+def _check_tensor(t: object, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if _DTensor is not None and isinstance(t, _DTensor):
+        raise TypeError(f"{what} is a DTensor; pass its local shard (to_local()) instead")
+    return t
+
+
+def _device_index(t: torch.Tensor, what: str) -> int:
+    if t.device.type == "cpu":
+        return -1
+    if t.device.type == "cuda":
+        if not _CUDA_BUILT:
+            raise ValueError(
+                f"{what} is on {t.device} but awex_fast was built without CUDA "
+                "(rebuild with AWEX_FAST_CUDA=ON on a machine with nvcc)"
+            )
+        return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    raise ValueError(f"{what} is on {t.device}; awex_fast copies CPU and CUDA tensors only")
+
+
+def _squeezed(shape: Sequence[int], strides: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Drop size-1 dims and merge contiguous neighbours until at most MAX_DIMS remain."""
+    dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
+    merged: list[tuple[int, int]] = []
+    for n, s in dims:
+        if merged and len(dims) > MAX_DIMS and merged[-1][1] == s * n:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    return [n for n, _ in merged], [s for _, s in merged]
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+class CopyProgram:
+    """A validated list of box copies on one device, ready to replay.
+
+    It keeps every tensor it points into alive. Replaying is valid as long as those tensors keep
+    their storage (the executor re-validates data pointers when it caches programs).
+    """
+
+    def __init__(self, desc: np.ndarray, device: int, keep_alive: list[torch.Tensor], nbytes: int) -> None:
+        self.desc = desc
+        self.device = device
+        self.nbytes = nbytes
+        self._keep_alive = keep_alive
+
+    @property
+    def num_boxes(self) -> int:
+        """Number of descriptors (boxes) in the program."""
+        return int(self.desc.shape[0])
+
+    def run(self, stream: int | None = None) -> None:
+        """Execute the copies. On CUDA they are queued on ``stream`` (a raw cudaStream_t integer;
+        default: torch's current stream of the device); on the CPU the call returns when done."""
+        if self.desc.shape[0] == 0:
+            return
+        if self.device >= 0 and stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        _copy.copy_boxes(self.desc, self.device, int(stream or 0))
+
+
+def _program(
+    boxes: Sequence[torch.Tensor],
+    buf: torch.Tensor,
+    byte_offsets: Sequence[int],
+    dtype: torch.dtype,
+    to_buffer: bool,
+    check_overlap: bool,
+) -> CopyProgram:
+    what = "pack" if to_buffer else "unpack"
+    buf = _check_tensor(buf, f"{what} buffer")
+    if buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(f"{what}: the buffer must be a contiguous 1-D tensor, got shape {tuple(buf.shape)}")
+    if len(byte_offsets) != len(boxes):
+        raise ValueError(f"{what}: {len(boxes)} views but {len(byte_offsets)} byte offsets")
+    device = _device_index(buf, f"{what} buffer")
+    base, limit = buf.data_ptr(), buf.numel() * buf.element_size()
+    itemsize, code = dtype.itemsize, dtype_code(dtype)
+    desc = np.zeros((len(boxes), DESC_WORDS), dtype=np.int64)
+    total = 0
+    for i, (view, offset) in enumerate(zip(boxes, byte_offsets, strict=True)):
+        view = _check_tensor(view, f"{what} view {i}")
+        check_dtype_pair(*((view.dtype, dtype) if to_buffer else (dtype, view.dtype)), what=f"{what} view {i}")
+        if _device_index(view, f"{what} view {i}") != device:
+            raise ValueError(f"{what}: view {i} is on {view.device} but the buffer is on {buf.device}")
+        nbytes = view.numel() * itemsize
+        if offset < 0 or offset + nbytes > limit:
+            raise ValueError(
+                f"{what}: view {i} ({nbytes} bytes at byte offset {offset}) does not fit in the "
+                f"{limit}-byte buffer"
+            )
+        if offset % itemsize:
+            raise ValueError(f"{what}: byte offset {offset} of view {i} is not a multiple of {itemsize}")
+        shape, strides = _squeezed(view.shape, view.stride())
+        if len(shape) > MAX_DIMS:
+            raise ValueError(f"{what}: view {i} has {view.dim()} non-mergeable dims (at most {MAX_DIMS})")
+        packed = _contiguous_strides(shape)
+        row = desc[i]
+        view_ptr, buf_ptr = view.data_ptr(), base + offset
+        row[0], row[1] = (view_ptr, buf_ptr) if to_buffer else (buf_ptr, view_ptr)
+        row[2] = len(shape)
+        row[3], row[4] = (dtype_code(view.dtype), code) if to_buffer else (code, dtype_code(view.dtype))
+        row[_SHAPE : _SHAPE + len(shape)] = shape
+        row[_SSTRIDE : _SSTRIDE + len(shape)] = strides if to_buffer else packed
+        row[_DSTRIDE : _DSTRIDE + len(shape)] = packed if to_buffer else strides
+        total += nbytes
+    if check_overlap:
+        i, j = _copy.dst_overlap(desc)
+        if i >= 0:
+            target = "byte ranges of the buffer" if to_buffer else "destination views"
+            raise ValueError(
+                f"{what}: overlapping {target}: view {i} and view {j}"
+                if i != j
+                else f"{what}: view {i} overlaps itself"
+            )
+    return CopyProgram(desc, device, [buf, *boxes], total)
+
+
+def gather_program(
+    views: Sequence[torch.Tensor], buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype
+) -> CopyProgram:
+    """Program that writes each view, cast to ``dtype``, contiguously at its byte offset of ``buf``
+    (a contiguous 1-D tensor of any dtype, usually uint8). Overlapping target ranges raise."""
+    return _program(views, buf, byte_offsets, dtype, to_buffer=True, check_overlap=True)
+
+
+def scatter_program(
+    buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype, views: Sequence[torch.Tensor]
+) -> CopyProgram:
+    """Program that reads each view's elements (stored as ``dtype``) from its byte offset of
+    ``buf`` and writes them into the view, cast to the view's dtype. Overlapping views raise."""
+    return _program(views, buf, byte_offsets, dtype, to_buffer=False, check_overlap=True)
+
+
+def pack_at(views: Sequence[torch.Tensor], buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype) -> None:
+    """Gather ``views`` into ``buf`` at explicit byte offsets, cast to ``dtype``."""
+    gather_program(views, buf, byte_offsets, dtype).run()
+
+
+def unpack_at(buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype, views: Sequence[torch.Tensor]) -> None:
+    """Scatter ``dtype`` elements at explicit byte offsets of ``buf`` into ``views``."""
+    scatter_program(buf, byte_offsets, dtype, views).run()
+
+
+def _back_to_back(views: Sequence[torch.Tensor], flat: torch.Tensor, what: str) -> list[int]:
+    flat = _check_tensor(flat, f"{what} buffer")
+    if flat.dim() != 1:
+        raise ValueError(f"{what}: the buffer must be 1-D, got shape {tuple(flat.shape)}")
+    sizes = [_check_tensor(v, f"{what} view {i}").numel() for i, v in enumerate(views)]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"{what}: the views hold {sum(sizes)} elements but the buffer holds {flat.numel()}")
+    offsets, acc = [], 0
+    for n in sizes:
+        offsets.append(acc * flat.element_size())
+        acc += n
+    return offsets
+
+
+def pack(views: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Write ``views`` back to back, in order, into the 1-D tensor ``out`` (no padding), casting
+    to ``out.dtype``. ``out.numel()`` must equal the views' total element count."""
+    offsets = _back_to_back(views, out, "pack")
+    if len(views) == 0:
+        return
+    gather_program(views, out, offsets, out.dtype).run()
+
+
+def unpack(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
+    """Inverse of `pack`: read ``buf`` back to back into ``views``, casting to each view's dtype."""
+    offsets = _back_to_back(views, buf, "unpack")
+    if len(views) == 0:
+        return
+    scatter_program(buf, offsets, buf.dtype, views).run()
+
+
+def checksum(buf: torch.Tensor, nbytes: int | None = None, stream: int | None = None) -> int:
+    """64-bit positional checksum of the first ``nbytes`` bytes of a contiguous tensor, computed
+    natively (on the GPU for CUDA tensors); equal bytes give equal values on any device."""
+    buf = _check_tensor(buf, "checksum buffer")
+    if not buf.is_contiguous():
+        raise ValueError("checksum: the buffer must be contiguous")
+    size = buf.numel() * buf.element_size()
+    nbytes = size if nbytes is None else nbytes
+    if not 0 <= nbytes <= size:
+        raise ValueError(f"checksum: {nbytes} bytes asked of a {size}-byte buffer")
+    device = _device_index(buf, "checksum buffer")
+    if device >= 0 and stream is None:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    return int(_copy.checksum(buf.data_ptr(), nbytes, device, int(stream or 0)))
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by CPU copies and checksums (default: the CPUs this process may use)."""
+    _copy.set_num_threads(int(n))
+
+
+def num_threads() -> int:
+    """Threads currently used by CPU copies."""
+    return int(_copy.num_threads())
+
+
+__all__ = [
+    "CopyProgram",
+    "check_dtype_pair",
+    "checksum",
+    "dtype_code",
+    "gather_program",
+    "num_threads",
+    "pack",
+    "pack_at",
+    "scatter_program",
+    "set_num_threads",
+    "unpack",
+    "unpack_at",
+]

@@ -1,0 +1,138 @@
+// CPU twin of the CUDA copy kernel: the same normalised boxes, copied by the shared thread pool.
+//
+// Work is split by bytes: the boxes are laid end to end in "byte space", each thread takes an
+// equal slice, and a slice boundary may fall inside a box (the box is then resumed mid-row by the
+// next thread). Contiguous innermost runs of bitwise copies are one memcpy each.
+#include <algorithm>
+
+#include "common.h"
+#include "copy/copy.h"
+#include "copy/thread_pool.h"
+
+namespace awex::copy {
+namespace {
+
+constexpr int64_t kMinBytesPerThread = 256 << 10;
+
+template <typename T>
+void strided_raw(const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
+  const T* sp = reinterpret_cast<const T*>(s);
+  T* dp = reinterpret_cast<T*>(d);
+  for (int64_t i = 0; i < n; ++i) memcpy(dp + i * ds, sp + i * ss, sizeof(T));
+}
+
+struct Bytes16 {
+  uint64_t lo, hi;
+};
+
+void run_raw(const Box& b, const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
+  if (ss == 1 && ds == 1) {
+    memcpy(d, s, static_cast<size_t>(n) * b.src_size);
+    return;
+  }
+  switch (b.src_size) {
+    case 1: return strided_raw<uint8_t>(s, d, n, ss, ds);
+    case 2: return strided_raw<uint16_t>(s, d, n, ss, ds);
+    case 4: return strided_raw<uint32_t>(s, d, n, ss, ds);
+    case 8: return strided_raw<uint64_t>(s, d, n, ss, ds);
+    case 16: return strided_raw<Bytes16>(s, d, n, ss, ds);
+    default:
+      for (int64_t i = 0; i < n; ++i)
+        memcpy(d + i * ds * b.dst_size, s + i * ss * b.src_size, static_cast<size_t>(b.src_size));
+  }
+}
+
+template <int S, int D>
+void cast_run(const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
+  constexpr int sb = S == kF32 ? 4 : 2, db = D == kF32 ? 4 : 2;
+  if (ss == 1 && ds == 1) {
+    for (int64_t i = 0; i < n; ++i) store_from_f32<D>(d + i * db, load_as_f32<S>(s + i * sb));
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      store_from_f32<D>(d + i * ds * db, load_as_f32<S>(s + i * ss * sb));
+  }
+}
+
+using RunFn = void (*)(const char*, char*, int64_t, int64_t, int64_t);
+
+RunFn cast_fn(int s, int d) {
+  static const RunFn table[4][4] = {
+      {nullptr, nullptr, nullptr, nullptr},
+      {nullptr, cast_run<kF32, kF32>, cast_run<kF32, kBF16>, cast_run<kF32, kF16>},
+      {nullptr, cast_run<kBF16, kF32>, cast_run<kBF16, kBF16>, cast_run<kBF16, kF16>},
+      {nullptr, cast_run<kF16, kF32>, cast_run<kF16, kBF16>, cast_run<kF16, kF16>},
+  };
+  return table[s][d];
+}
+
+// Copies elements [e0, e1) of box b (row-major element order over its coalesced shape).
+void copy_range(const Box& b, int64_t e0, int64_t e1) {
+  const int last = b.ndim - 1;
+  const int64_t inner = b.shape[last];
+  const RunFn cast = b.src_kind == kRaw ? nullptr : cast_fn(b.src_kind, b.dst_kind);
+  int64_t idx[kMaxDims] = {0};
+  int64_t row = e0 / inner, col = e0 % inner;
+  for (int d = last - 1; d >= 0; --d) {
+    idx[d] = row % b.shape[d];
+    row /= b.shape[d];
+  }
+  int64_t soff = 0, doff = 0;
+  for (int d = 0; d < last; ++d) {
+    soff += idx[d] * b.src_stride[d];
+    doff += idx[d] * b.dst_stride[d];
+  }
+  int64_t e = e0;
+  while (e < e1) {
+    const int64_t n = std::min(inner - col, e1 - e);
+    const char* s = b.src + (soff + col * b.src_stride[last]) * b.src_size;
+    char* d = b.dst + (doff + col * b.dst_stride[last]) * b.dst_size;
+    if (cast) cast(s, d, n, b.src_stride[last], b.dst_stride[last]);
+    else run_raw(b, s, d, n, b.src_stride[last], b.dst_stride[last]);
+    e += n;
+    col = 0;
+    for (int dd = last - 1; dd >= 0; --dd) {  // odometer over the outer dims
+      soff += b.src_stride[dd];
+      doff += b.dst_stride[dd];
+      if (++idx[dd] < b.shape[dd]) break;
+      soff -= idx[dd] * b.src_stride[dd];
+      doff -= idx[dd] * b.dst_stride[dd];
+      idx[dd] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+void set_num_threads(int n) {
+  AWEX_CHECK_ARG(n >= 1, "thread count must be at least 1, got ", n);
+  ThreadPool::instance().resize(n);
+}
+
+int num_threads() { return ThreadPool::instance().size(); }
+
+void copy_cpu(const std::vector<Box>& boxes) {
+  // [num_boxes + 1] byte-space prefix; a box weighs its larger side's bytes.
+  std::vector<int64_t> start(boxes.size() + 1, 0);
+  for (size_t i = 0; i < boxes.size(); ++i)
+    start[i + 1] = start[i] + boxes[i].numel * std::max(boxes[i].src_size, boxes[i].dst_size);
+  const int64_t total = start.back();
+  if (total == 0) return;
+  auto& pool = ThreadPool::instance();
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(pool.size(), total / kMinBytesPerThread)));
+  pool.run(threads, [&](int t) {
+    const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+    size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (; i < boxes.size() && start[i] < hi; ++i) {
+      const Box& b = boxes[i];
+      const int64_t esz = std::max(b.src_size, b.dst_size);
+      // Element boundaries are floor((x - start) / esz) for every slice edge x, so adjacent
+      // slices agree on where one ends and the next begins.
+      const int64_t e0 = std::clamp<int64_t>((lo - start[i]) / esz, 0, b.numel);
+      const int64_t e1 = std::clamp<int64_t>((hi - start[i]) / esz, 0, b.numel);
+      if (e1 > e0) copy_range(b, e0, e1);
+    }
+  });
+}
+
+}  // namespace awex::copy
