@@ -75,6 +75,8 @@ def _device_index(t: torch.Tensor, what: str) -> int:
 
 def _squeezed(shape: Sequence[int], strides: Sequence[int]) -> tuple[list[int], list[int]]:
     """Drop size-1 dims and merge contiguous neighbours until at most MAX_DIMS remain."""
+    if 1 not in shape and len(shape) <= MAX_DIMS:
+        return list(shape), list(strides)
     dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
     merged: list[tuple[int, int]] = []
     for n, s in dims:
@@ -83,6 +85,9 @@ def _squeezed(shape: Sequence[int], strides: Sequence[int]) -> tuple[list[int], 
         else:
             merged.append((n, s))
     return [n for n, _ in merged], [s for _, s in merged]
+
+
+_PADS = [[0] * (MAX_DIMS - n) for n in range(MAX_DIMS + 1)]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
@@ -138,13 +143,22 @@ def _program(
     device = _device_index(buf, f"{what} buffer")
     base, limit = buf.data_ptr(), buf.numel() * buf.element_size()
     itemsize, code = dtype.itemsize, dtype_code(dtype)
-    desc = np.zeros((len(boxes), DESC_WORDS), dtype=np.int64)
+    # One flat list, one numpy conversion: this loop is the whole Python cost of a pack, so it
+    # checks each view with the cheapest test first and falls back to the precise ones on doubt.
+    words: list[int] = []
+    checked_dtypes: set[torch.dtype] = set()
+    buf_device = buf.device
     total = 0
     for i, (view, offset) in enumerate(zip(boxes, byte_offsets, strict=True)):
-        view = _check_tensor(view, f"{what} view {i}")
-        check_dtype_pair(*((view.dtype, dtype) if to_buffer else (dtype, view.dtype)), what=f"{what} view {i}")
-        if _device_index(view, f"{what} view {i}") != device:
-            raise ValueError(f"{what}: view {i} is on {view.device} but the buffer is on {buf.device}")
+        if type(view) is not torch.Tensor and type(view) is not torch.nn.Parameter:
+            _check_tensor(view, f"{what} view {i}")
+        vdtype = view.dtype
+        if vdtype not in checked_dtypes:
+            check_dtype_pair(*((vdtype, dtype) if to_buffer else (dtype, vdtype)), what=f"{what} view {i}")
+            checked_dtypes.add(vdtype)
+        if view.device != buf_device:
+            _device_index(view, f"{what} view {i}")
+            raise ValueError(f"{what}: view {i} is on {view.device} but the buffer is on {buf_device}")
         nbytes = view.numel() * itemsize
         if offset < 0 or offset + nbytes > limit:
             raise ValueError(
@@ -154,18 +168,20 @@ def _program(
         if offset % itemsize:
             raise ValueError(f"{what}: byte offset {offset} of view {i} is not a multiple of {itemsize}")
         shape, strides = _squeezed(view.shape, view.stride())
-        if len(shape) > MAX_DIMS:
+        ndim = len(shape)
+        if ndim > MAX_DIMS:
             raise ValueError(f"{what}: view {i} has {view.dim()} non-mergeable dims (at most {MAX_DIMS})")
         packed = _contiguous_strides(shape)
-        row = desc[i]
-        view_ptr, buf_ptr = view.data_ptr(), base + offset
-        row[0], row[1] = (view_ptr, buf_ptr) if to_buffer else (buf_ptr, view_ptr)
-        row[2] = len(shape)
-        row[3], row[4] = (dtype_code(view.dtype), code) if to_buffer else (code, dtype_code(view.dtype))
-        row[_SHAPE : _SHAPE + len(shape)] = shape
-        row[_SSTRIDE : _SSTRIDE + len(shape)] = strides if to_buffer else packed
-        row[_DSTRIDE : _DSTRIDE + len(shape)] = packed if to_buffer else strides
+        pad = _PADS[ndim]
+        vcode = dtype_code(vdtype)
+        if to_buffer:
+            words += (view.data_ptr(), base + offset, ndim, vcode, code)
+            words += shape + pad + strides + pad + packed + pad
+        else:
+            words += (base + offset, view.data_ptr(), ndim, code, vcode)
+            words += shape + pad + packed + pad + strides + pad
         total += nbytes
+    desc = np.array(words, dtype=np.int64).reshape(len(boxes), DESC_WORDS)
     if check_overlap:
         i, j = _copy.dst_overlap(desc)
         if i >= 0:
@@ -194,12 +210,16 @@ def scatter_program(
     return _program(views, buf, byte_offsets, dtype, to_buffer=False, check_overlap=True)
 
 
-def pack_at(views: Sequence[torch.Tensor], buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype) -> None:
+def pack_at(
+    views: Sequence[torch.Tensor], buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype
+) -> None:
     """Gather ``views`` into ``buf`` at explicit byte offsets, cast to ``dtype``."""
     gather_program(views, buf, byte_offsets, dtype).run()
 
 
-def unpack_at(buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype, views: Sequence[torch.Tensor]) -> None:
+def unpack_at(
+    buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype, views: Sequence[torch.Tensor]
+) -> None:
     """Scatter ``dtype`` elements at explicit byte offsets of ``buf`` into ``views``."""
     scatter_program(buf, byte_offsets, dtype, views).run()
 
@@ -224,7 +244,8 @@ def pack(views: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     offsets = _back_to_back(views, out, "pack")
     if len(views) == 0:
         return
-    gather_program(views, out, offsets, out.dtype).run()
+    # Back-to-back offsets cannot overlap: skip the check gather_program makes.
+    _program(views, out, offsets, out.dtype, to_buffer=True, check_overlap=False).run()
 
 
 def unpack(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:

@@ -141,13 +141,13 @@ std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n) {
     const int64_t size = code_size(row[4]);
     uintptr_t extent = static_cast<uintptr_t>(size);
     bool empty = false;
+    for (int d = 0; d < ndim; ++d) empty = empty || row[kShapeAt + d] == 0;
+    if (empty) continue;
     for (int d = 0; d < ndim; ++d) {
       const int64_t sh = row[kShapeAt + d];
-      if (sh == 0) empty = true;
       if (sh > 1 && row[kDstStrideAt + d] == 0) return {i, i};  // broadcast destination
-      if (sh > 0) extent += static_cast<uintptr_t>((sh - 1) * row[kDstStrideAt + d] * size);
+      extent += static_cast<uintptr_t>((sh - 1) * row[kDstStrideAt + d] * size);
     }
-    if (empty) continue;
     const auto lo = static_cast<uintptr_t>(row[1]);
     spans.push_back({lo, lo + extent, i});
   }

@@ -16,6 +16,8 @@
 #include <vector>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #define AWEX_HD __host__ __device__ __forceinline__
 #else
 #define AWEX_HD inline
@@ -95,12 +97,18 @@ AWEX_HD float f32_from_bits(uint32_t u) {
 
 AWEX_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
-// Round to nearest even; NaN becomes the canonical quiet NaN 0x7fc0 (as c10::BFloat16 does).
+// Round to nearest even. NaN handling follows what torch's .to() does on each device: its CPU
+// kernels (ATen's vectorised cvtfp32_bf16) write 0xffff for every NaN; on sm_80+ c10::BFloat16
+// uses the __float2bfloat16 intrinsic (canonical 0x7fff).
 AWEX_HD uint16_t f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
   uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+#endif
 }
 
 // IEEE half <-> float by the FP16 library's branch-free bit tricks (what c10::Half uses on CPU).
@@ -115,7 +123,15 @@ AWEX_HD float f16_to_f32(uint16_t h) {
   return f32_from_bits(sign | (two_w < cutoff ? f32_bits(denormalized) : f32_bits(normalized)));
 }
 
+// On the CPU, NaNs keep their sign and top payload bits as x86's F16C conversion (what torch's
+// vectorised CPU cast uses) does; on the GPU, the __float2half_rn intrinsic c10::Half uses.
 AWEX_HD uint16_t f32_to_f16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
   float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t w = f32_bits(f);
   const uint32_t shl1_w = w + w;
@@ -128,6 +144,7 @@ AWEX_HD uint16_t f32_to_f16(float f) {
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
 }
 
 template <int K>
