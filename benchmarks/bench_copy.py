@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = [run_case(c, args.device, args.samples) for c in args.cases.split(",")]
     print(f"device={args.device} threads={afc.num_threads()} build={af.build_info()}")
-    print(f"{'case':22} {'copy_ GB/s':>10} {'pack':>7} {'unpack':>7} {'pack()':>7} {'unpack()':>8}  (x of copy_)")
+    print(
+        f"{'case':22} {'copy_ GB/s':>10} {'pack':>7} {'unpack':>7} {'pack()':>7} {'unpack()':>8} (x copy_)"
+    )
     for r in results:
         q = r["ratio_vs_copy"]
         print(

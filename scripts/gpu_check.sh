@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One prepared run on a GPU machine (the device tool's H200): build with CUDA, run the GPU tests,
+# run the GPU benchmarks, and leave JSON under $OUT. The machine reaches no registry, so the
+# install uses the image's pybind11 / scikit-build-core / cmake / ninja without isolation.
+# Each capability is its own section; a failing section is recorded and the next one still runs.
+#
+#   OUT=/tmp/out scripts/gpu_check.sh            # on the GPU machine, from the repo root
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(pwd)/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+status="$OUT/sections.txt"
+: >"$status"
+
+section() {  # section NAME COMMAND...: run, log to $OUT/NAME.log, record rc
+  local name=$1
+  shift
+  echo "== $name =="
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$status"
+  tail -n 25 "$OUT/$name.log"
+}
+
+# --- build: AWEX_FAST_CUDA=ON must find nvcc and compile the kernels for sm_90 ----------------
+section build env AWEX_FAST_CUDA=ON AWEX_FAST_CUDA_ARCHS="${AWEX_FAST_CUDA_ARCHS:-90}" \
+  "$PY" -m pip install --no-build-isolation --no-deps -v .
+section build_info "$PY" -c "import awex_fast, json, torch; i = awex_fast.build_info(); \
+print(json.dumps(i)); assert i['cuda'], 'CUDA part not built'; print(torch.__version__, torch.cuda.get_device_name())"
+
+# --- tests marked gpu (run outside the checkout so the installed build is imported) -----------
+section pytest_gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider --rootdir . tests \
+  --junitxml="$OUT/pytest_gpu.xml"
+
+# --- native batched copy against torch device-to-device copy ----------------------------------
+section bench_copy "$PY" benchmarks/bench_copy.py --device cuda --samples 20 --json "$OUT/bench_copy.json"
+
+# Later capabilities (executor, native NCCL, CUDA IPC) add their sections here.
+
+cat "$status"
+! grep -v " rc=0 " "$status" >/dev/null
