@@ -10,6 +10,9 @@ namespace awex {
 namespace copy {
 void register_apis(py::module_& m);
 }
+namespace comm {
+void register_apis(py::module_& m);
+}
 }  // namespace awex
 
 namespace {
@@ -33,4 +36,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "awex_fast native core (no libtorch: raw pointers, sizes, strides, streams)";
   m.def("build_info", &build_info, "How this extension was built.");
   awex::copy::register_apis(m);
+  awex::comm::register_apis(m);
 }

@@ -1,0 +1,40 @@
+"""Transfer backends: gloo and nccl through torch.distributed, and native NCCL (dlopen)."""
+
+from __future__ import annotations
+
+from awex_fast.transport.base import Pending, TransferError, TransferGroup
+
+BACKENDS = ("gloo", "nccl", "native-nccl")
+
+
+def init_transfer_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout: float = 120.0,
+    group_name: str = "awex_fast",
+) -> TransferGroup:
+    """Join the weight-exchange world as transfer ``rank`` of ``world_size``.
+
+    Rank 0 hosts the rendezvous TCPStore at ``master_addr:master_port``; every other rank
+    connects to it. The caller's default process group is neither needed nor touched.
+    ``timeout`` (seconds) bounds the rendezvous and is the default for every wait.
+    ``group_name`` separates groups sharing one store (use a fresh one, or a fresh port, when
+    re-forming a group after a failure).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transfer backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of {world_size}")
+    if backend == "native-nccl":
+        from awex_fast.transport.nccl import NativeNcclGroup
+
+        return NativeNcclGroup(rank, world_size, master_addr, master_port, timeout, group_name)
+    from awex_fast.transport.torch_dist import TorchTransferGroup
+
+    return TorchTransferGroup(backend, rank, world_size, master_addr, master_port, timeout, group_name)
+
+
+__all__ = ["BACKENDS", "Pending", "TransferError", "TransferGroup", "init_transfer_group"]

@@ -1,0 +1,95 @@
+"""What every transfer backend offers the executor: point-to-point sends and receives of raw
+buffers between transfer ranks, waits with timeouts, a rendezvous store, and abort.
+
+A `TransferGroup` is stateless with respect to the caller's own process groups: it is built from
+its own TCPStore (hosted by transfer rank 0 at master_addr:master_port) under its own prefix, so a
+training job and inference engines, each with its default world already initialised, can join
+one exchange world without touching those worlds (the role vLLM's StatelessProcessGroup and
+AReaL's custom process group play).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or timed out. Names the peer, the bucket and the version when known."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peer: int | None = None,
+        bucket: int | None = None,
+        version: int | None = None,
+    ) -> None:
+        parts = [message]
+        if peer is not None:
+            parts.append(f"peer={peer}")
+        if bucket is not None:
+            parts.append(f"bucket={bucket}")
+        if version is not None:
+            parts.append(f"version={version}")
+        super().__init__(" ".join(parts) if len(parts) == 1 else f"{message} ({', '.join(parts[1:])})")
+        self.peer, self.bucket, self.version = peer, bucket, version
+
+
+class Pending(Protocol):
+    """An in-flight send or receive."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise TimeoutError after ``timeout_s``, or RuntimeError on failure."""
+        ...
+
+
+class TransferGroup(Protocol):
+    """A world of transfer ranks exchanging raw buffers."""
+
+    backend: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    store: torch.distributed.Store
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        """Start sending the contiguous ``tensor`` to ``peer``."""
+        ...
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        """Start receiving into the contiguous ``tensor`` from ``peer``."""
+        ...
+
+    def abort(self) -> None:
+        """Fail every pending operation and make the group unusable (after a failure)."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group cleanly."""
+        ...
+
+
+def timedelta(seconds: float) -> datetime.timedelta:
+    """``seconds`` as a timedelta (torch.distributed's unit for timeouts)."""
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_store(
+    master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float, prefix: str
+) -> torch.distributed.Store:
+    """The group's rendezvous store: a TCPStore hosted by rank 0, seen through ``prefix`` so that
+    several groups (and re-formed groups after a failure) never read each other's keys."""
+    import torch.distributed as dist
+
+    tcp = dist.TCPStore(
+        master_addr,
+        int(master_port),
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(prefix, tcp)

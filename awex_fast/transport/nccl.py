@@ -1,0 +1,123 @@
+"""native-nccl: point-to-point over NCCL loaded by the native core with dlopen.
+
+Why not torch.distributed's NCCL: a separate communicator on a dedicated stream whose waits can
+time out and call ncclCommAbort, with no dependency on how (or whether) the caller's torch was
+built with NCCL. The unique id travels through the transfer group's rendezvous store as raw
+bytes. Library search order: the nvidia-nccl-cu13 / -cu12 wheel's lib directory, then the system
+path (libnccl.so.2), then AWEX_FAST_NCCL_LIBRARY if set (first).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from awex_fast._native import native
+from awex_fast.transport.base import make_store
+
+
+def nccl_candidates() -> list[str]:
+    """Paths tried, in order, to load libnccl."""
+    out = []
+    env = os.environ.get("AWEX_FAST_NCCL_LIBRARY")
+    if env:
+        out.append(env)
+    for package in ("nvidia.nccl", "nvidia"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        roots = spec.submodule_search_locations if spec is not None else None
+        for root in roots or []:
+            for lib in sorted(Path(root).glob("**/libnccl.so*")):
+                out.append(str(lib))
+    out.append("libnccl.so.2")
+    return list(dict.fromkeys(out))
+
+
+def load_nccl() -> dict:
+    """Load NCCL (once) and return {"path", "version"}; RuntimeError naming every path tried."""
+    return dict(native().nccl.load(nccl_candidates()))
+
+
+class _NcclPending:
+    def __init__(self, comm: object, event: int, what: str) -> None:
+        self._comm, self._event, self._what, self._done = comm, event, what, False
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self._done:
+            if self._comm.query(self._event):
+                self._done = True
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._what} timed out after {timeout_s:.1f}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+class NativeNcclGroup:
+    """A TransferGroup over a dlopen'ed NCCL communicator on its own CUDA stream."""
+
+    backend = "native-nccl"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        group_name: str = "awex_fast",
+        device: int | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.info = load_nccl()
+        self.store = make_store(master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/")
+        if rank == 0:
+            self.store.set("nccl_unique_id", native().nccl.unique_id())
+        uid = self.store.get("nccl_unique_id")
+        self.device = torch.cuda.current_device() if device is None else device
+        self._comm = native().nccl.Comm(bytes(uid), world_size, rank, self.device)
+
+    def _post(self, tensor: torch.Tensor, peer: int, is_send: bool) -> _NcclPending:
+        if self._comm is None:
+            raise RuntimeError("native-nccl transfer group was closed or aborted")
+        if tensor.device.type != "cuda" or not tensor.is_contiguous():
+            raise ValueError("native-nccl moves contiguous CUDA tensors")
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"peer {peer} outside a {self.world_size}-rank group")
+        producer = torch.cuda.current_stream(tensor.device).cuda_stream
+        nbytes = tensor.numel() * tensor.element_size()
+        event = self._comm.post([(is_send, tensor.data_ptr(), nbytes, peer)], producer)
+        return _NcclPending(self._comm, event, f"{'send to' if is_send else 'receive from'} rank {peer}")
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _NcclPending:
+        """Queue a send of ``tensor`` after the current stream's work (NCCL orders by issue, so
+        ``tag`` only documents the bucket)."""
+        return self._post(tensor, peer, True)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> _NcclPending:
+        """Queue a receive into ``tensor``; after wait(), call `join_current_stream` before use."""
+        return self._post(tensor, peer, False)
+
+    def join_current_stream(self) -> None:
+        """Make torch's current stream wait for every receive queued so far."""
+        self._comm.join(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def abort(self) -> None:
+        """ncclCommAbort: pending operations are cancelled."""
+        if self._comm is not None:
+            self._comm.close(True)
+            self._comm = None
+
+    def close(self) -> None:
+        """ncclCommDestroy."""
+        if self._comm is not None:
+            self._comm.close(False)
+            self._comm = None

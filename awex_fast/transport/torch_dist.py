@@ -1,0 +1,119 @@
+"""gloo (CPU tensors) and nccl (CUDA tensors) through torch.distributed's own process-group
+classes, built on the transfer group's private store: the caller's default process group, if any,
+is never touched."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import torch
+import torch.distributed as dist
+
+from awex_fast.transport.base import make_store, timedelta
+
+
+class _TorchPending:
+    def __init__(self, work: dist.Work, what: str) -> None:
+        self._work, self._what = work, what
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(timedelta(timeout_s))
+        except RuntimeError as exc:
+            text = str(exc)
+            if "imed out" in text or "timeout" in text.lower():
+                raise TimeoutError(f"{self._what} timed out after {timeout_s:.1f}s: {text}") from exc
+            raise
+
+
+def _gloo_options(master_addr: str, timeout_s: float) -> dist.ProcessGroupGloo._Options:
+    """Gloo device: GLOO_SOCKET_IFNAME when set, loopback for a loopback master, else the
+    host's default interface."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(timeout_s)
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        loopback = ipaddress.ip_address(master_addr).is_loopback
+    except ValueError:
+        loopback = master_addr == "localhost"
+    if ifname:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
+    elif loopback:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return opts
+
+
+class TorchTransferGroup:
+    """A TransferGroup over ``torch.distributed.ProcessGroupGloo`` or ``ProcessGroupNCCL``."""
+
+    def __init__(
+        self,
+        backend: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        group_name: str = "awex_fast",
+    ) -> None:
+        self.backend, self.rank, self.world_size, self.timeout_s = backend, rank, world_size, timeout_s
+        self.store = make_store(master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/")
+        pg_store = dist.PrefixStore("pg/", self.store)
+        if backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(
+                pg_store, rank, world_size, _gloo_options(master_addr, timeout_s)
+            )
+        elif backend == "nccl":
+            if not hasattr(dist, "ProcessGroupNCCL"):
+                raise RuntimeError("the nccl backend needs a CUDA build of torch with NCCL")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(timeout_s)
+            self._pg = dist.ProcessGroupNCCL(pg_store, rank, world_size, opts)
+        else:
+            raise ValueError(f"unknown torch.distributed backend {backend!r} (gloo or nccl)")
+        self._closed = False
+
+    def _check(self, tensor: torch.Tensor, peer: int) -> None:
+        if self._closed:
+            raise RuntimeError(f"transfer group ({self.backend}) was closed or aborted")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"peer {peer} is not another rank of this {self.world_size}-rank group")
+        if not tensor.is_contiguous():
+            raise ValueError("transfer buffers must be contiguous")
+        if self.backend == "gloo" and tensor.device.type != "cpu":
+            raise ValueError(f"the gloo backend moves CPU tensors; got one on {tensor.device}")
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            raise ValueError(f"the nccl backend moves CUDA tensors; got one on {tensor.device}")
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _TorchPending:
+        """Start sending ``tensor`` to ``peer``."""
+        self._check(tensor, peer)
+        return _TorchPending(self._pg.send([tensor], peer, tag), f"send to rank {peer}")
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> _TorchPending:
+        """Start receiving into ``tensor`` from ``peer``."""
+        self._check(tensor, peer)
+        return _TorchPending(self._pg.recv([tensor], peer, tag), f"receive from rank {peer}")
+
+    def abort(self) -> None:
+        """Tear the group down after a failure; pending operations fail or are abandoned."""
+        if self._closed:
+            return
+        self._closed = True
+        abort = getattr(self._pg, "abort", None)
+        if abort is not None:
+            abort()
+        self._pg = None
+
+    def close(self) -> None:
+        """Leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        shutdown = getattr(self._pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self._pg = None
