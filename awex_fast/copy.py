@@ -130,7 +130,7 @@ def _program(
     boxes: Sequence[torch.Tensor],
     buf: torch.Tensor,
     byte_offsets: Sequence[int],
-    dtype: torch.dtype,
+    dtype: torch.dtype | Sequence[torch.dtype],
     to_buffer: bool,
     check_overlap: bool,
 ) -> CopyProgram:
@@ -140,25 +140,29 @@ def _program(
         raise ValueError(f"{what}: the buffer must be a contiguous 1-D tensor, got shape {tuple(buf.shape)}")
     if len(byte_offsets) != len(boxes):
         raise ValueError(f"{what}: {len(boxes)} views but {len(byte_offsets)} byte offsets")
+    wire_dtypes = [dtype] * len(boxes) if isinstance(dtype, torch.dtype) else list(dtype)
+    if len(wire_dtypes) != len(boxes):
+        raise ValueError(f"{what}: {len(boxes)} views but {len(wire_dtypes)} buffer dtypes")
     device = _device_index(buf, f"{what} buffer")
     base, limit = buf.data_ptr(), buf.numel() * buf.element_size()
-    itemsize, code = dtype.itemsize, dtype_code(dtype)
     # One flat list, one numpy conversion: this loop is the whole Python cost of a pack, so it
     # checks each view with the cheapest test first and falls back to the precise ones on doubt.
     words: list[int] = []
-    checked_dtypes: set[torch.dtype] = set()
+    checked_pairs: set[tuple[torch.dtype, torch.dtype]] = set()
     buf_device = buf.device
     total = 0
-    for i, (view, offset) in enumerate(zip(boxes, byte_offsets, strict=True)):
+    for i, (view, offset, wire) in enumerate(zip(boxes, byte_offsets, wire_dtypes, strict=True)):
         if type(view) is not torch.Tensor and type(view) is not torch.nn.Parameter:
             _check_tensor(view, f"{what} view {i}")
         vdtype = view.dtype
-        if vdtype not in checked_dtypes:
-            check_dtype_pair(*((vdtype, dtype) if to_buffer else (dtype, vdtype)), what=f"{what} view {i}")
-            checked_dtypes.add(vdtype)
+        pair = (vdtype, wire) if to_buffer else (wire, vdtype)
+        if pair not in checked_pairs:
+            check_dtype_pair(*pair, what=f"{what} view {i}")
+            checked_pairs.add(pair)
         if view.device != buf_device:
             _device_index(view, f"{what} view {i}")
             raise ValueError(f"{what}: view {i} is on {view.device} but the buffer is on {buf_device}")
+        itemsize = wire.itemsize
         nbytes = view.numel() * itemsize
         if offset < 0 or offset + nbytes > limit:
             raise ValueError(
@@ -173,7 +177,7 @@ def _program(
             raise ValueError(f"{what}: view {i} has {view.dim()} non-mergeable dims (at most {MAX_DIMS})")
         packed = _contiguous_strides(shape)
         pad = _PADS[ndim]
-        vcode = dtype_code(vdtype)
+        vcode, code = dtype_code(vdtype), dtype_code(wire)
         if to_buffer:
             words += (view.data_ptr(), base + offset, ndim, vcode, code)
             words += shape + pad + strides + pad + packed + pad
@@ -183,27 +187,72 @@ def _program(
         total += nbytes
     desc = np.array(words, dtype=np.int64).reshape(len(boxes), DESC_WORDS)
     if check_overlap:
-        i, j = _copy.dst_overlap(desc)
-        if i >= 0:
-            target = "byte ranges of the buffer" if to_buffer else "destination views"
-            raise ValueError(
-                f"{what}: overlapping {target}: view {i} and view {j}"
-                if i != j
-                else f"{what}: view {i} overlaps itself"
-            )
+        _raise_on_overlap(desc, what, "byte ranges of the buffer" if to_buffer else "destination views")
     return CopyProgram(desc, device, [buf, *boxes], total)
 
 
+def _raise_on_overlap(desc: np.ndarray, what: str, target: str) -> None:
+    i, j = _copy.dst_overlap(desc)
+    if i >= 0:
+        raise ValueError(
+            f"{what}: overlapping {target}: view {i} and view {j}"
+            if i != j
+            else f"{what}: view {i} overlaps itself"
+        )
+
+
+def direct_program(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> CopyProgram:
+    """Program copying each ``srcs[i]`` into ``dsts[i]`` (same shapes, any strides, cast to the
+    destination dtype) with no buffer in between: self-sends and colocated copies."""
+    if len(srcs) != len(dsts):
+        raise ValueError(f"copy: {len(srcs)} sources but {len(dsts)} destinations")
+    words: list[int] = []
+    device: int | None = None
+    keep: list[torch.Tensor] = []
+    total = 0
+    for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
+        src, dst = _check_tensor(src, f"copy source {i}"), _check_tensor(dst, f"copy destination {i}")
+        if src.shape != dst.shape:
+            raise ValueError(
+                f"copy {i}: source shape {tuple(src.shape)} != destination shape {tuple(dst.shape)}"
+            )
+        check_dtype_pair(src.dtype, dst.dtype, what=f"copy {i}")
+        d_src, d_dst = _device_index(src, f"copy source {i}"), _device_index(dst, f"copy destination {i}")
+        if d_src != d_dst or (device is not None and d_src != device):
+            raise ValueError(f"copy {i}: all sources and destinations must be on one device")
+        device = d_src
+        # Merge dims jointly: a dim may only be dropped or merged if both sides allow it.
+        dims = [(n, a, b) for n, a, b in zip(src.shape, src.stride(), dst.stride(), strict=True) if n != 1]
+        if len(dims) > MAX_DIMS:
+            raise ValueError(f"copy {i}: more than {MAX_DIMS} non-trivial dims")
+        ndim = len(dims)
+        pad = _PADS[ndim]
+        words += (src.data_ptr(), dst.data_ptr(), ndim, dtype_code(src.dtype), dtype_code(dst.dtype))
+        words += [n for n, _, _ in dims] + pad + [a for _, a, _ in dims] + pad + [b for _, _, b in dims] + pad
+        keep += (src, dst)
+        total += dst.numel() * dst.element_size()
+    desc = np.array(words, dtype=np.int64).reshape(len(srcs), DESC_WORDS)
+    _raise_on_overlap(desc, "copy", "destinations")
+    return CopyProgram(desc, -1 if device is None else device, keep, total)
+
+
 def gather_program(
-    views: Sequence[torch.Tensor], buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype
+    views: Sequence[torch.Tensor],
+    buf: torch.Tensor,
+    byte_offsets: Sequence[int],
+    dtype: torch.dtype | Sequence[torch.dtype],
 ) -> CopyProgram:
-    """Program that writes each view, cast to ``dtype``, contiguously at its byte offset of ``buf``
-    (a contiguous 1-D tensor of any dtype, usually uint8). Overlapping target ranges raise."""
+    """Program that writes each view, cast to ``dtype`` (one for all, or one per view),
+    contiguously at its byte offset of ``buf`` (a contiguous 1-D tensor of any dtype, usually
+    uint8). Overlapping target ranges raise."""
     return _program(views, buf, byte_offsets, dtype, to_buffer=True, check_overlap=True)
 
 
 def scatter_program(
-    buf: torch.Tensor, byte_offsets: Sequence[int], dtype: torch.dtype, views: Sequence[torch.Tensor]
+    buf: torch.Tensor,
+    byte_offsets: Sequence[int],
+    dtype: torch.dtype | Sequence[torch.dtype],
+    views: Sequence[torch.Tensor],
 ) -> CopyProgram:
     """Program that reads each view's elements (stored as ``dtype``) from its byte offset of
     ``buf`` and writes them into the view, cast to the view's dtype. Overlapping views raise."""
@@ -286,6 +335,7 @@ __all__ = [
     "CopyProgram",
     "check_dtype_pair",
     "checksum",
+    "direct_program",
     "dtype_code",
     "gather_program",
     "num_threads",

@@ -296,3 +296,24 @@ def test_build_info_reflects_the_build():
         assert info["cuda_version"] and info["cuda_archs"]
     else:
         assert info["cuda_version"] == "" and info["cuda_archs"] == ""
+
+
+def test_direct_program_casts_across_strides():
+    a = torch.randn(30, 20)
+    dst = torch.zeros(20, 30, dtype=torch.bfloat16).t()
+    afc.direct_program([a, a[::2, 3:7]], [dst, torch.zeros(15, 4)]).run()
+    assert torch.equal(dst, a.bfloat16())
+    target = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="overlapping destinations"):
+        afc.direct_program([torch.ones(2, 2), torch.ones(2, 2)], [target[:2, :2], target[1:3, 1:3]])
+    assert torch.count_nonzero(target) == 0
+    with pytest.raises(ValueError, match="source shape"):
+        afc.direct_program([torch.ones(2, 3)], [torch.ones(3, 2)])
+
+
+def test_per_view_wire_dtypes():
+    a, b = torch.randn(5, 3), torch.randn(7)
+    buf = torch.zeros(128, dtype=torch.uint8)
+    afc.pack_at([a, b], buf, [0, 64], [torch.float32, torch.float16])
+    assert torch.equal(buf[:60].view(torch.float32), a.reshape(-1))
+    assert torch.equal(buf[64:78].view(torch.float16), b.half())
