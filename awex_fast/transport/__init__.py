@@ -15,6 +15,7 @@ def init_transfer_group(
     master_port: int,
     timeout: float = 120.0,
     group_name: str = "awex_fast",
+    store: object | None = None,
 ) -> TransferGroup:
     """Join the weight-exchange world as transfer ``rank`` of ``world_size``.
 
@@ -22,7 +23,8 @@ def init_transfer_group(
     connects to it. The caller's default process group is neither needed nor touched.
     ``timeout`` (seconds) bounds the rendezvous and is the default for every wait.
     ``group_name`` separates groups sharing one store (use a fresh one, or a fresh port, when
-    re-forming a group after a failure).
+    re-forming a group after a failure). ``store``: an existing TCPStore to rendezvous on instead
+    of creating one (rank 0 may bind port 0 itself and publish the port it got).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown transfer backend {backend!r}; expected one of {', '.join(BACKENDS)}")
@@ -31,10 +33,10 @@ def init_transfer_group(
     if backend == "native-nccl":
         from awex_fast.transport.nccl import NativeNcclGroup
 
-        return NativeNcclGroup(rank, world_size, master_addr, master_port, timeout, group_name)
+        return NativeNcclGroup(rank, world_size, master_addr, master_port, timeout, group_name, store=store)
     from awex_fast.transport.torch_dist import TorchTransferGroup
 
-    return TorchTransferGroup(backend, rank, world_size, master_addr, master_port, timeout, group_name)
+    return TorchTransferGroup(backend, rank, world_size, master_addr, master_port, timeout, group_name, store)
 
 
 __all__ = ["BACKENDS", "Pending", "TransferError", "TransferGroup", "init_transfer_group"]

@@ -78,12 +78,22 @@ def timedelta(seconds: float) -> datetime.timedelta:
 
 
 def make_store(
-    master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float, prefix: str
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    prefix: str,
+    store: torch.distributed.Store | None = None,
 ) -> torch.distributed.Store:
     """The group's rendezvous store: a TCPStore hosted by rank 0, seen through ``prefix`` so that
-    several groups (and re-formed groups after a failure) never read each other's keys."""
+    several groups (and re-formed groups after a failure) never read each other's keys. A caller
+    that already holds a store (e.g. rank 0 bound port 0 and published the port it got) passes it
+    as ``store``."""
     import torch.distributed as dist
 
+    if store is not None:
+        return dist.PrefixStore(prefix, store)
     tcp = dist.TCPStore(
         master_addr,
         int(master_port),

@@ -75,10 +75,13 @@ class NativeNcclGroup:
         timeout_s: float,
         group_name: str = "awex_fast",
         device: int | None = None,
+        store: object | None = None,
     ) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.info = load_nccl()
-        self.store = make_store(master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/")
+        self.store = make_store(
+            master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/", store
+        )
         if rank == 0:
             self.store.set("nccl_unique_id", native().nccl.unique_id())
         uid = self.store.get("nccl_unique_id")

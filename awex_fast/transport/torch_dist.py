@@ -58,9 +58,12 @@ class TorchTransferGroup:
         master_port: int,
         timeout_s: float,
         group_name: str = "awex_fast",
+        store: dist.Store | None = None,
     ) -> None:
         self.backend, self.rank, self.world_size, self.timeout_s = backend, rank, world_size, timeout_s
-        self.store = make_store(master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/")
+        self.store = make_store(
+            master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/", store
+        )
         pg_store = dist.PrefixStore("pg/", self.store)
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(
