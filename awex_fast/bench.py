@@ -43,8 +43,9 @@ def parse_kv(text: str, keys: dict[str, int]) -> dict[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `awex-fast bench`."""
-    p = argparse.ArgumentParser(prog="awex-fast bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="awex-fast bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="qwen2.5-0.5b", help="named model shape (awex_fast.models)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--train", default="fsdp=2,tp=1", help="training layout, e.g. fsdp=2,tp=2")
@@ -71,8 +72,15 @@ def _spawn(spec: dict, world: int, tmp: Path) -> list[subprocess.Popen]:
         path = tmp / f"spec{rank}.json"
         path.write_text(json.dumps({**spec, "rank": rank, "result": str(tmp / f"result{rank}.json")}))
         log = (tmp / f"log{rank}.txt").open("wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "awex_fast.bench_worker", str(path)],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "awex_fast.bench_worker", str(path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=tmp,
+            )
+        )
     return procs
 
 
@@ -100,9 +108,14 @@ def summarize(results: list[dict], spec: dict) -> dict:
         per_iter = [max(r["times"][m][i] for r in results) for i in range(spec["iters"])]
         nbytes = results[0]["bytes"][m]
         med = statistics.median(per_iter)
-        p90 = sorted(per_iter)[min(len(per_iter) - 1, int(round(0.9 * (len(per_iter) - 1))))]
-        methods[m] = {"seconds": per_iter, "median_s": med, "p90_s": p90, "bytes": nbytes,
-                      "GBps": nbytes / med / 1e9 if med > 0 else 0.0}
+        p90 = sorted(per_iter)[min(len(per_iter) - 1, round(0.9 * (len(per_iter) - 1)))]
+        methods[m] = {
+            "seconds": per_iter,
+            "median_s": med,
+            "p90_s": p90,
+            "bytes": nbytes,
+            "GBps": nbytes / med / 1e9 if med > 0 else 0.0,
+        }
     ratios = {}
     ours = methods.get("awex_fast")
     if ours and "raw" in methods:
@@ -110,17 +123,36 @@ def summarize(results: list[dict], spec: dict) -> dict:
     if ours and "naive" in methods:
         ratios["vs_naive"] = methods["naive"]["median_s"] / ours["median_s"]
     verified = all(r.get("verified", True) for r in results)
-    return {"layout": {k: spec[k] for k in ("model", "layers", "train", "infer", "train_dtype", "dtype",
-                                            "bucket_mb", "backend", "iters")},
-            "plan": results[0].get("plan", {}), "methods": methods, "ratios": ratios, "verified": verified,
-            "staging_bytes": max(r.get("staging_bytes", 0) for r in results)}
+    return {
+        "layout": {
+            k: spec[k]
+            for k in (
+                "model",
+                "layers",
+                "train",
+                "infer",
+                "train_dtype",
+                "dtype",
+                "bucket_mb",
+                "backend",
+                "iters",
+            )
+        },
+        "plan": results[0].get("plan", {}),
+        "methods": methods,
+        "ratios": ratios,
+        "verified": verified,
+        "staging_bytes": max(r.get("staging_bytes", 0) for r in results),
+    }
 
 
 def print_table(summary: dict) -> None:
     """The one table `awex-fast bench` prints."""
     lay = summary["layout"]
-    print(f"model={lay['model']} layers={lay['layers']} train={lay['train']} ({lay['train_dtype']}) "
-          f"infer={lay['infer']} ({lay['dtype']}) bucket={lay['bucket_mb']}MiB backend={lay['backend']}")
+    print(
+        f"model={lay['model']} layers={lay['layers']} train={lay['train']} ({lay['train_dtype']}) "
+        f"infer={lay['infer']} ({lay['dtype']}) bucket={lay['bucket_mb']}MiB backend={lay['backend']}"
+    )
     print(f"{'method':10} {'bytes':>14} {'median s':>9} {'p90 s':>8} {'GB/s':>7}  ratio")
     ours = summary["methods"].get("awex_fast")
     for name, m in summary["methods"].items():
@@ -128,8 +160,10 @@ def print_table(summary: dict) -> None:
         if ours and name != "awex_fast":
             ratio = f"awex_fast is {m['median_s'] / ours['median_s']:.2f}x faster"
         print(f"{name:10} {m['bytes']:14,d} {m['median_s']:9.3f} {m['p90_s']:8.3f} {m['GBps']:7.2f}  {ratio}")
-    print(f"verified bit-exact: {summary['verified']}  ratios: "
-          + ", ".join(f"{k}={v:.2f}" for k, v in summary["ratios"].items()))
+    print(
+        f"verified bit-exact: {summary['verified']}  ratios: "
+        + ", ".join(f"{k}={v:.2f}" for k, v in summary["ratios"].items())
+    )
 
 
 def plot(summary: dict, path: str) -> None:
@@ -146,7 +180,9 @@ def plot(summary: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(names, [summary["methods"][n]["median_s"] for n in names])
     ax.set_ylabel("seconds per sync (median)")
-    ax.set_title(f"{summary['layout']['model']}: {summary['layout']['train']} -> {summary['layout']['infer']}")
+    ax.set_title(
+        f"{summary['layout']['model']}: {summary['layout']['train']} -> {summary['layout']['infer']}"
+    )
     fig.tight_layout()
     fig.savefig(path)
 
@@ -162,15 +198,33 @@ def bench_main(argv: list[str] | None = None) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=args.timeout))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
     n_train = train["fsdp"] * train["tp"]
     n_infer = infer["tp"] * infer["engines"]
-    spec = {"model": args.model, "layers": args.layers, "train": train, "infer": infer,
-            "train_dtype": args.train_dtype, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
-            "iters": args.iters, "backend": args.backend, "methods": methods, "verify": args.verify,
-            "port": store.port, "world": n_train + n_infer, "n_infer": n_infer,
-            "timeout": args.timeout, "trace": bool(args.trace)}
+    spec = {
+        "model": args.model,
+        "layers": args.layers,
+        "train": train,
+        "infer": infer,
+        "train_dtype": args.train_dtype,
+        "dtype": args.dtype,
+        "bucket_mb": args.bucket_mb,
+        "iters": args.iters,
+        "backend": args.backend,
+        "methods": methods,
+        "verify": args.verify,
+        "port": store.port,
+        "world": n_train + n_infer,
+        "n_infer": n_infer,
+        "timeout": args.timeout,
+        "trace": bool(args.trace),
+    }
     with tempfile.TemporaryDirectory(prefix="awex_bench_") as tmp_name:
         tmp = Path(tmp_name)
         procs = _spawn(spec, spec["world"], tmp)
