@@ -22,6 +22,9 @@ PARAMS = {
     "layer.o.weight": ((24, 48), 1),
     "layer.norm.weight": ((24,), None),
     "layer.bias": ((7,), 0),
+    # an MoE layer's stacked experts: the training side splits experts over its ranks (EP), the
+    # inference side splits every expert's rows (TP inside each expert)
+    "moe.experts.w13": ((8, 16, 12), 1),
 }
 
 
