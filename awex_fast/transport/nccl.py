@@ -100,6 +100,18 @@ class NativeNcclGroup:
         event = self._comm.post([(is_send, tensor.data_ptr(), nbytes, peer)], producer)
         return _NcclPending(self._comm, event, f"{'send to' if is_send else 'receive from'} rank {peer}")
 
+    def post_group(self, ops: list[tuple[bool, torch.Tensor, int]]) -> _NcclPending:
+        """Queue several sends/receives ``(is_send, tensor, peer)`` as one NCCL group (needed for
+        a send and a receive between the same pair, e.g. to this rank itself)."""
+        if self._comm is None:
+            raise RuntimeError("native-nccl transfer group was closed or aborted")
+        for _, t, peer in ops:
+            if t.device.type != "cuda" or not t.is_contiguous() or not 0 <= peer < self.world_size:
+                raise ValueError("native-nccl moves contiguous CUDA tensors between ranks of its group")
+        producer = torch.cuda.current_stream(self.device).cuda_stream
+        raw = [(s, t.data_ptr(), t.numel() * t.element_size(), p) for s, t, p in ops]
+        return _NcclPending(self._comm, self._comm.post(raw, producer), f"{len(ops)} grouped operations")
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _NcclPending:
         """Queue a send of ``tensor`` after the current stream's work (NCCL orders by issue, so
         ``tag`` only documents the bucket)."""
