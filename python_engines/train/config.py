@@ -63,14 +63,15 @@ class OptimizerConfig:
 class FSDPEngineConfig:
     """What `FSDPTrainEngine` builds.
 
-    Model source: ``path`` (a local Hugging Face directory; there is no hub access) or
-    ``model_config`` (a ``transformers.PretrainedConfig``, random init); with both,
-    ``init_from_scratch=True`` uses only ``path``'s config. ``dtype`` is the compute dtype:
-    ``"bfloat16"`` keeps float32 master weights and reduces gradients in float32,
-    ``"float32"`` computes in float32. Parallelism: ``tp_size`` ranks per tensor-parallel group,
-    ``dp_size`` data-parallel groups (None: world size // tp_size). ``optimizer=None`` builds a
-    forward-only engine (e.g. a reference model). ``device`` None picks CUDA (``cuda:$LOCAL_RANK``,
-    nccl) when available, else CPU (gloo). ``seed`` seeds random init identically on every rank.
+    Model source: ``path`` (a local Hugging Face directory, weights loaded; there is no hub
+    access) or, when ``path`` is None, ``model_config`` (a ``transformers.PretrainedConfig``,
+    random init); ``init_from_scratch=True`` random-inits from ``path``'s config instead.
+    ``dtype`` is the compute dtype: ``"bfloat16"`` keeps float32 master weights and reduces
+    gradients in float32, ``"float32"`` computes in float32. Parallelism: ``tp_size`` ranks per
+    tensor-parallel group, ``dp_size`` data-parallel groups (None: world size // tp_size).
+    ``optimizer=None`` builds a forward-only engine (e.g. a reference model). ``device`` None picks CUDA
+    (``cuda:$LOCAL_RANK``, nccl) when available and the existing process group, if any, has nccl;
+    else CPU (gloo). ``seed`` seeds random init identically on every rank.
     """
 
     path: str | None = None

@@ -107,9 +107,16 @@ class FSDPTrainEngine(TrainEngine):
 
     # ---------------------------------------------------------------------------- lifecycle
 
+    def _wants_cuda(self) -> bool:
+        """``config.device``, else CUDA when available and the process group (if any) has nccl."""
+        if self.config.device is not None:
+            return self.config.device == "cuda"
+        if not torch.cuda.is_available():
+            return False
+        return not dist.is_initialized() or "nccl" in str(dist.get_backend()).lower()
+
     def _pick_device(self) -> torch.device:
-        want = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if want == "cuda":
+        if self._wants_cuda():
             if not torch.cuda.is_available():
                 raise RuntimeError("FSDPEngineConfig.device='cuda' but CUDA is not available")
             local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
@@ -144,9 +151,9 @@ class FSDPTrainEngine(TrainEngine):
             raise RuntimeError("FSDPTrainEngine.initialize called twice")
         cfg = self.config
         if not dist.is_initialized():
-            use_cuda = cfg.device == "cuda" or (cfg.device is None and torch.cuda.is_available())
             init_method = f"tcp://{addr}" if addr else "env://"
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo", init_method=init_method)
+            backend = "nccl" if self._wants_cuda() else "gloo"
+            dist.init_process_group(backend=backend, init_method=init_method)
             self._owns_process_group = True
         self.device = self._pick_device()
         if self.device.type == "cuda":
@@ -246,8 +253,7 @@ class FSDPTrainEngine(TrainEngine):
         """``config.scheduling`` if set, else 4 CPUs, 1 GPU (0 on CPU) and 32 GiB per process."""
         if self.config.scheduling is not None:
             return self.config.scheduling
-        on_cuda = self.config.device == "cuda" or (self.config.device is None and torch.cuda.is_available())
-        return Scheduling(cpu=4, gpu=1 if on_cuda else 0, mem=32 * 1024)
+        return Scheduling(cpu=4, gpu=1 if self._wants_cuda() else 0, mem=32 * 1024)
 
     def train(self, mode: bool = True) -> FSDPTrainEngine:
         """Set the model's training mode; returns self."""
@@ -438,10 +444,8 @@ class FSDPTrainEngine(TrainEngine):
             raise ValueError(
                 f"aggregate_fn returned {joined.shape[0]} rows along dim 0, expected {sum(sizes)}"
             )
-        by_row: list[torch.Tensor | None] = [None] * len(lengths)
-        for row, piece in zip(order, torch.split(joined, sizes), strict=True):
-            by_row[row] = piece
-        return pad_and_stack([p for p in by_row if p is not None])
+        by_row: dict[int, torch.Tensor] = dict(zip(order, torch.split(joined, sizes), strict=True))
+        return pad_and_stack([by_row[row] for row in range(len(lengths))])
 
     # ---------------------------------------------------------------------------- save / load
 
