@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spawn(spec: dict, world: int, tmp: Path) -> list[subprocess.Popen]:
     procs = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     for rank in range(world):
         path = tmp / f"spec{rank}.json"

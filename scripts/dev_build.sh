@@ -15,6 +15,9 @@ cmake --build "$dir" -j "${JOBS:-2}"
 if [ "${NO_INSTALL:-0}" = 1 ]; then
   echo "built $(ls "$dir"/_C*.so) (AWEX_FAST_CUDA=$mode), not copied"
 else
-  cp "$dir"/_C*.so awex_fast/
+  # Replace atomically (new inode): overwriting in place would corrupt the code pages of any
+  # running process that has the old extension mapped.
+  so=$(basename "$dir"/_C*.so)
+  cp "$dir/$so" "awex_fast/.$so.tmp" && mv -f "awex_fast/.$so.tmp" "awex_fast/$so"
   echo "built $(ls awex_fast/_C*.so) (AWEX_FAST_CUDA=$mode)"
 fi
