@@ -99,7 +99,7 @@ def next_token_logprobs(logits, mb):
     return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def engine_config(model_dir: str, **overrides):
+def engine_config(model_dir: str | None, **overrides):
     from python_engines.train import FSDPEngineConfig, MicroBatchSpec, OptimizerConfig
 
     opt = OptimizerConfig(
@@ -115,6 +115,7 @@ def engine_config(model_dir: str, **overrides):
     mb = MicroBatchSpec(n_mbs=overrides.pop("n_mbs", 1), max_tokens_per_mb=overrides.pop("max_tokens", None))
     return FSDPEngineConfig(
         path=model_dir,
+        model_config=None if model_dir is not None else Qwen2Config(**TINY, tie_word_embeddings=False),
         dtype=overrides.pop("dtype", "float32"),
         mb_spec=mb,
         optimizer=opt,
@@ -123,7 +124,8 @@ def engine_config(model_dir: str, **overrides):
     )
 
 
-def make_engine(model_dir: str, **overrides):
+def make_engine(model_dir: str | None, **overrides):
+    """An initialized engine on ``model_dir`` (None: random init from a TINY config, seed 1)."""
     from python_engines.api import FinetuneSpec
     from python_engines.train import FSDPTrainEngine
 
@@ -264,8 +266,10 @@ def _world_dp4(rank, world_size, model_dir, out):
     gather_to_file(engine_ckpt, f"{out}/mb_ckpt.safetensors")
     engine_ckpt.destroy()
 
-    # 3. learnable task: each token is the previous one plus one (mod vocab), bf16 compute.
-    engine = make_engine(model_dir, lr_scheduler_type="constant", warmup=0.0, dtype="bfloat16")
+    # 3. learnable task: each token is the previous one plus one (mod vocab), bf16 compute, on a
+    # model built from a config object (random init, the same on every rank by the seed).
+    engine = make_engine(None, lr_scheduler_type="constant", warmup=0.0, dtype="bfloat16")
+    gather_to_file(engine, f"{out}/from_config_init.safetensors")
 
     def counting(seed):
         g = torch.Generator().manual_seed(seed)
@@ -546,6 +550,20 @@ def test_loss_goes_down(dp4):
     assert all(r["losses"] == losses for r in results)  # the reported loss is the global one
     assert sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
     assert results[0]["eval_after"] < 0.5 * results[0]["eval_before"]
+
+
+@pytest.mark.timeout(300)
+def test_model_config_init_is_seeded_and_identical_on_all_ranks(dp4):
+    _, out = dp4
+    with torch.random.fork_rng():
+        torch.manual_seed(1)  # FSDPEngineConfig.seed's default
+        ref = AutoModelForCausalLM.from_config(
+            Qwen2Config(**TINY, tie_word_embeddings=False), dtype=torch.float32
+        )
+    got = load_file(f"{out}/from_config_init.safetensors")
+    # Bit-exact: a rank that had drawn other random weights would show up in its shard's rows.
+    assert sorted(got) == sorted(n for n, _ in ref.named_parameters())
+    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
 
 
 @pytest.mark.timeout(300)
