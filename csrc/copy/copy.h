@@ -104,10 +104,10 @@ AWEX_HD uint16_t f32_to_bf16(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 #else
-  uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  // Branch-free (a select, not a branch) so the CPU loops vectorise.
+  const uint32_t u = f32_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : rounded);
 #endif
 }
 
