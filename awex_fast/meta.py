@@ -6,26 +6,109 @@ its dtype as a string, and its *pieces*: n-dimensional boxes of the global tenso
 one rank at some offset of that rank's local tensor. Pieces are given explicitly (`ShardMeta`) or
 as a compact grid rule (`ShardRule`) that expands to many pieces; the rule form keeps metadata for
 1,000+ rank MoE layouts small enough to ship as JSON.
+
+JSON wire format, version 1 (`metas_to_json` / `metas_from_json`; never pickle)::
+
+    {"format": "awex_fast.metas", "version": 1,
+     "rules": [[ranks, split_dims, num_chunks, replicas(, local_offset)], ...],  # distinct rules
+     "params": [{"name": str, "shape": [int, ...], "dtype": str,
+                 "shards": [[rank, offset, shape(, local_offset)], ...],   # optional
+                 "rules": [index into the top-level "rules", ...]}]}        # optional
+
+A rule's ``ranks`` is a list of ranks (ints) and ``[start, stop, step]`` triples standing for
+``range(start, stop, step)``, concatenated. A Kimi-K2-sized inference layout (70k tensors x 128
+pieces) is a few table rules, each one triple, and 7.4 MB of JSON in all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import heapq
 import itertools
+import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import operator
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class MetadataError(ValueError):
     """Malformed, inconsistent or overlapping shard metadata."""
 
 
-def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
+def _int_tuple(values: Iterable[int], what: str, name: str | None = None) -> tuple[int, ...]:
+    # operator.index accepts int, numpy and 0-d integer tensors, and refuses floats and strings
+    # (int() would silently truncate 1.5 to 1).
     try:
-        out = tuple(int(v) for v in values)
-    except (TypeError, ValueError) as exc:
-        raise MetadataError(f"{what} must be a sequence of integers, got {values!r}") from exc
+        out = tuple(map(operator.index, values))
+    except TypeError as exc:
+        where = "" if name is None else f"parameter {name!r}: "
+        raise MetadataError(f"{where}{what} must be a sequence of integers, got {_short(values)}") from exc
     return out
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building many small acyclic objects (metadata for 70k tensors):
+    collections triggered by allocation counts otherwise make decoding ~5x slower."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fmt_box(offset: Sequence[int], shape: Sequence[int]) -> str:
+    """``[0:4, 8:16]``: the box as slices (``[]`` for a 0-d scalar)."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offset, shape, strict=True)) + "]"
+
+
+# Element sizes of every dtype torch 2.11-2.13 names (``torch.<name>.itemsize``), so that the
+# metadata layer never imports torch. The test compares this table with torch.
+_DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4,
+    "uint64": 8, "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bits16": 2,
+    **{f"int{b}": 1 for b in range(1, 8)},
+    **{f"uint{b}": 1 for b in range(1, 8)},
+}
+_DTYPE_ALIASES = {
+    "half": "float16", "float": "float32", "double": "float64", "short": "int16", "int": "int32",
+    "long": "int64", "chalf": "complex32", "cfloat": "complex64", "cdouble": "complex128",
+    "bit": "uint1",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical dtype string for a ``torch.dtype`` or a name: ``torch.half`` -> ``"float16"``."""
+    if type(dtype) is str and dtype in _DTYPE_ITEMSIZE:
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def dtype_itemsize(name: Any) -> int:
+    """Bytes per element of a dtype name (or ``torch.dtype``), as torch reports ``itemsize``;
+    raises `MetadataError` for a name torch does not know."""
+    canon = dtype_name(name)
+    try:
+        return _DTYPE_ITEMSIZE[canon]
+    except KeyError:
+        raise MetadataError(f"unknown dtype {canon!r}") from None
 
 
 @dataclass(frozen=True)
@@ -39,11 +122,21 @@ class ShardMeta:
     local_offset: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rank", int(self.rank))
+        try:
+            object.__setattr__(self, "rank", operator.index(self.rank))
+        except TypeError:
+            raise MetadataError(f"rank must be an integer, got {_short(self.rank)}") from None
         object.__setattr__(self, "global_offset", _int_tuple(self.global_offset, "global_offset"))
         object.__setattr__(self, "shape", _int_tuple(self.shape, "shape"))
+        nd, what = len(self.shape), f"piece of rank {self.rank}"
+        if len(self.global_offset) != nd:
+            raise MetadataError(f"{what}: global_offset {self.global_offset} mismatches shape {self.shape}")
+        if nd and min(self.shape) < 0:
+            raise MetadataError(f"{what}: negative extent in shape {self.shape}")
         if self.local_offset is not None:
             object.__setattr__(self, "local_offset", _int_tuple(self.local_offset, "local_offset"))
+            if len(self.local_offset) != nd:
+                raise MetadataError(f"{what}: local_offset {self.local_offset} mismatches shape {self.shape}")
 
     @property
     def local(self) -> tuple[int, ...]:
@@ -64,6 +157,17 @@ def chunk_bounds(size: int, num_chunks: int, index: int) -> tuple[int, int]:
     return start, min(size, start + step)
 
 
+def _nonempty_chunks(size: int, num_chunks: int) -> int:
+    """How many leading chunks of `chunk_bounds` are non-empty (the rest are)."""
+    if size <= 0:
+        return 0
+    step = -(-size // num_chunks)
+    return -(-size // step)
+
+
+_RULE_FIELDS = ("ranks", "split_dims", "num_chunks", "replicas", "local_offset")
+
+
 @dataclass(frozen=True)
 class ShardRule:
     """A regular grid of pieces in compact form.
@@ -81,12 +185,41 @@ class ShardRule:
     local_offset: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", _int_tuple(self.ranks, "ranks"))
-        object.__setattr__(self, "split_dims", _int_tuple(self.split_dims, "split_dims"))
-        object.__setattr__(self, "num_chunks", _int_tuple(self.num_chunks, "num_chunks"))
-        object.__setattr__(self, "replicas", int(self.replicas))
+        put = object.__setattr__
+        put(self, "ranks", _int_tuple(self.ranks, "ranks"))
+        put(self, "split_dims", _int_tuple(self.split_dims, "split_dims"))
+        put(self, "num_chunks", _int_tuple(self.num_chunks, "num_chunks"))
+        try:
+            put(self, "replicas", operator.index(self.replicas))
+        except TypeError:
+            raise MetadataError(f"replicas must be an integer, got {_short(self.replicas)}") from None
         if self.local_offset is not None:
-            object.__setattr__(self, "local_offset", _int_tuple(self.local_offset, "local_offset"))
+            put(self, "local_offset", _int_tuple(self.local_offset, "local_offset"))
+        self._check()
+
+    @classmethod
+    def _of_ints(cls, *values: Any) -> ShardRule:
+        """Build from the five fields as tuples of exact ints (decoded JSON, shifted ranks): the
+        constructor's checks without re-converting 128-rank tuples."""
+        self = object.__new__(cls)
+        for key, value in zip(_RULE_FIELDS, values, strict=True):
+            object.__setattr__(self, key, value)
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        dims, chunks = self.split_dims, self.num_chunks
+        if len(dims) != len(chunks):
+            raise MetadataError(f"rule split_dims {dims} and num_chunks {chunks} differ in length")
+        if len(set(dims)) != len(dims) or min(dims, default=0) < 0:
+            raise MetadataError(f"rule split_dims {dims} must be distinct non-negative dims")
+        if min(chunks, default=1) < 1 or self.replicas < 1:
+            raise MetadataError(f"rule num_chunks {chunks} and replicas {self.replicas} must be >= 1")
+        if len(self.ranks) != self.total_chunks * self.replicas:
+            raise MetadataError(
+                f"rule lists {len(self.ranks)} ranks but {self.total_chunks} chunks x "
+                f"{self.replicas} replicas need {self.total_chunks * self.replicas}"
+            )
 
     @property
     def total_chunks(self) -> int:
@@ -109,6 +242,51 @@ class ShardRule:
             for j in range(self.replicas):
                 yield ShardMeta(self.ranks[j * total + c], tuple(offset), tuple(shape), self.local_offset)
 
+    def cell_box(self, global_shape: Sequence[int], cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(global_offset, shape)`` of grid cell ``cell`` (row-major over ``split_dims``); the
+        shape contains a 0 when the cell is empty."""
+        offset = [0] * len(global_shape)
+        shape = list(global_shape)
+        for dim, n in zip(reversed(self.split_dims), reversed(self.num_chunks), strict=True):
+            cell, idx = divmod(cell, n)
+            start, stop = chunk_bounds(global_shape[dim], n, idx)
+            offset[dim], shape[dim] = start, stop - start
+        return tuple(offset), tuple(shape)
+
+    def _cells(self, global_shape: Sequence[int]) -> list[int] | None:
+        """Indices of the non-empty cells, in order; None when every cell is non-empty."""
+        split = set(self.split_dims)
+        if any(global_shape[d] == 0 for d in range(len(global_shape)) if d not in split):
+            return []
+        pairs = zip(self.split_dims, self.num_chunks, strict=True)
+        counts = [_nonempty_chunks(global_shape[d], n) for d, n in pairs]
+        if counts == list(self.num_chunks):
+            return None
+        strides = [math.prod(self.num_chunks[i + 1 :]) for i in range(len(counts))]
+        return [
+            sum(i * s for i, s in zip(idx, strides, strict=True))
+            for idx in itertools.product(*(range(k) for k in counts))
+        ]
+
+    def nonempty_cells(self, global_shape: Sequence[int]) -> list[int]:
+        """Indices of the cells that yield a piece for ``global_shape``, ascending."""
+        cells = self._cells(global_shape)
+        return list(range(self.total_chunks)) if cells is None else cells
+
+    def num_pieces(self, global_shape: Sequence[int]) -> int:
+        """Number of pieces `expand` yields, without expanding."""
+        cells = self._cells(global_shape)
+        return (self.total_chunks if cells is None else len(cells)) * self.replicas
+
+    def _held(self, global_shape: Sequence[int]) -> tuple[list[int] | None, Sequence[int]]:
+        """(positions into ``ranks`` of the pieces, or None for all; the ranks at them)."""
+        cells = self._cells(global_shape)
+        if cells is None:
+            return None, self.ranks
+        total = self.total_chunks
+        positions = [j * total + c for j in range(self.replicas) for c in cells]
+        return positions, [self.ranks[p] for p in positions]
+
 
 @dataclass(frozen=True)
 class ParameterMeta:
@@ -123,10 +301,55 @@ class ParameterMeta:
     rules: tuple[ShardRule, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", _int_tuple(self.global_shape, "global_shape"))
-        object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
-        object.__setattr__(self, "shards", tuple(self.shards))
-        object.__setattr__(self, "rules", tuple(self.rules))
+        name, put = self.name, object.__setattr__
+        if not isinstance(name, str) or not name:
+            raise MetadataError(f"parameter name must be a non-empty string, got {_short(name)}")
+        gs = _int_tuple(self.global_shape, "global_shape", name)
+        put(self, "global_shape", gs)
+        put(self, "dtype", dtype_name(self.dtype))
+        shards = self.shards if type(self.shards) is tuple else tuple(self.shards)
+        rules = self.rules if type(self.rules) is tuple else tuple(self.rules)
+        put(self, "shards", shards)
+        put(self, "rules", rules)
+        nd = len(gs)
+        if nd and min(gs) < 0:
+            raise MetadataError(f"parameter {name!r}: negative extent in global_shape {gs}")
+        for k, s in enumerate(shards):
+            if not isinstance(s, ShardMeta):
+                raise MetadataError(f"parameter {name!r}: shards[{k}] is {type(s).__name__}, not ShardMeta")
+            if len(s.shape) != nd:
+                raise MetadataError(
+                    f"parameter {name!r}: shards[{k}] (rank {s.rank}) has {len(s.shape)} dims, "
+                    f"global_shape {gs} has {nd}"
+                )
+        for k, r in enumerate(rules):
+            if not isinstance(r, ShardRule):
+                raise MetadataError(f"parameter {name!r}: rules[{k}] is {type(r).__name__}, not ShardRule")
+            if r.split_dims and max(r.split_dims) >= nd:
+                raise MetadataError(f"parameter {name!r}: rules[{k}] splits dims {r.split_dims} of {gs}")
+            if r.local_offset is not None and len(r.local_offset) != nd:
+                raise MetadataError(
+                    f"parameter {name!r}: rules[{k}] local_offset {r.local_offset} has "
+                    f"{len(r.local_offset)} dims, global_shape {gs} has {nd}"
+                )
+
+    @property
+    def numel(self) -> int:
+        """Elements in the global tensor."""
+        return math.prod(self.global_shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (`MetadataError` for an unknown dtype)."""
+        try:
+            return dtype_itemsize(self.dtype)
+        except MetadataError:
+            raise MetadataError(f"parameter {self.name!r}: unknown dtype {self.dtype!r}") from None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the global tensor."""
+        return self.numel * self.itemsize
 
     def pieces(self) -> list[ShardMeta]:
         """Explicit pieces followed by every rule's expansion."""
@@ -135,9 +358,513 @@ class ParameterMeta:
             out.extend(rule.expand(self.global_shape))
         return out
 
+    def num_pieces(self) -> int:
+        """``len(self.pieces())`` without expanding the rules."""
+        return len(self.shards) + sum(r.num_pieces(self.global_shape) for r in self.rules)
+
+    def pieces_for_rank(self, rank: int) -> list[ShardMeta]:
+        """The pieces ``rank`` holds, in `pieces()` order, found without expanding other ranks'."""
+        out = [s for s in self.shards if s.rank == rank]
+        for rule in self.rules:
+            total, pos, found = rule.total_chunks, -1, []
+            while True:
+                try:
+                    pos = rule.ranks.index(rank, pos + 1)
+                except ValueError:
+                    break
+                found.append((pos % total, pos // total))
+            for cell, _replica in sorted(found):
+                offset, shape = rule.cell_box(self.global_shape, cell)
+                if 0 not in shape:
+                    out.append(ShardMeta(rank, offset, shape, rule.local_offset))
+        return out
+
     def ranks(self) -> set[int]:
-        """Every rank that holds some piece of this parameter."""
+        """Every rank that holds some piece of this parameter (empty rule cells hold none)."""
         out = {s.rank for s in self.shards}
         for rule in self.rules:
-            out.update(rule.ranks)
+            out.update(rule._held(self.global_shape)[1])
         return out
+
+
+# ---- JSON (de)serialisation ------------------------------------------------------------------
+
+FORMAT_TAG = "awex_fast.metas"
+FORMAT_VERSION = 1
+_MAX_RULE_RANKS = 1 << 24  # a decoded rule may list at most 16M ranks (guards range triples)
+_TOP_KEYS = frozenset({"format", "version", "rules", "params"})
+_PARAM_KEYS = frozenset({"name", "shape", "dtype", "shards", "rules"})
+
+
+def _encode_ranks(ranks: tuple[int, ...]) -> Sequence[Any]:
+    """Rank tuple -> JSON items: ints, and ``[start, stop, step]`` for arithmetic runs of >= 4."""
+    n = len(ranks)
+    if n < 4:
+        return ranks
+    first, step = ranks[0], ranks[1] - ranks[0]
+    end = first + step * n
+    if step and ranks[-1] == end - step and ranks == tuple(range(first, end, step)):
+        return [[first, end, step]]
+    diffs = list(map(operator.sub, ranks[1:], ranks[:-1]))
+    if 2 * len(set(diffs)) > len(diffs):  # mostly irregular: runs cannot save much
+        return ranks
+    out: list[Any] = []
+    i = 0
+    while i < n:
+        k = i
+        if i + 1 < n and diffs[i]:
+            k = i + 1
+            while k < n - 1 and diffs[k] == diffs[i]:
+                k += 1
+        if k - i + 1 >= 4:
+            out.append([ranks[i], ranks[i] + diffs[i] * (k - i + 1), diffs[i]])
+            i = k + 1
+        else:
+            out.append(ranks[i])
+            i += 1
+    return out
+
+
+@_gc_paused()
+def metas_to_json(metas: Iterable[ParameterMeta]) -> bytes:
+    """Serialise metas to the versioned JSON format (module docstring) as ASCII bytes.
+
+    Deterministic: equal inputs in equal order give equal bytes. Distinct rules go once into
+    the top-level table, in order of first use; parameters refer to them by index.
+    """
+    table: list[list[Any]] = []
+    by_value: dict[ShardRule, int] = {}
+    by_id: dict[int, tuple[ShardRule, int]] = {}  # holds the rule, so its id stays unique
+    params: list[dict[str, Any]] = []
+    for i, m in enumerate(metas):
+        if not isinstance(m, ParameterMeta):
+            raise MetadataError(f"metas[{i}] is {type(m).__name__}, not ParameterMeta")
+        entry: dict[str, Any] = {"name": m.name, "shape": m.global_shape, "dtype": m.dtype}
+        if m.shards:
+            entry["shards"] = [
+                (s.rank, s.global_offset, s.shape)
+                if s.local_offset is None
+                else (s.rank, s.global_offset, s.shape, s.local_offset)
+                for s in m.shards
+            ]
+        if m.rules:
+            refs = []
+            for r in m.rules:
+                hit = by_id.get(id(r))
+                if hit is None or hit[0] is not r:
+                    idx = by_value.get(r)
+                    if idx is None:
+                        idx = by_value[r] = len(table)
+                        enc = [_encode_ranks(r.ranks), r.split_dims, r.num_chunks, r.replicas]
+                        table.append(enc if r.local_offset is None else [*enc, r.local_offset])
+                    hit = by_id[id(r)] = (r, idx)
+                refs.append(hit[1])
+            entry["rules"] = refs
+        params.append(entry)
+    doc = {"format": FORMAT_TAG, "version": FORMAT_VERSION, "rules": table, "params": params}
+    return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+
+def _ints(value: Any, where: Callable[[], str], what: str) -> tuple[int, ...]:
+    # ``where`` builds the location text only on error: formatting it per field costs more than
+    # the rest of decoding a parameter.
+    if type(value) is not list or not all(type(v) is int for v in value):
+        raise MetadataError(f"{where()} {what} must be a list of integers, got {_short(value)}")
+    return tuple(value)
+
+
+def _decode_ranks(enc: Any, expected: int, what: str) -> tuple[int, ...]:
+    if type(enc) is not list:
+        raise MetadataError(f"{what} must be a list of ranks and [start, stop, step] ranges")
+    kinds = set(map(type, enc))
+    if not kinds <= {int, list}:
+        raise MetadataError(f"{what} items must be ranks or [start, stop, step], got {_short(enc)}")
+    out: list[int] = enc if list not in kinds else []
+    if list in kinds:
+        for item in enc:
+            if type(item) is int:
+                out.append(item)
+                continue
+            if len(item) != 3 or not all(type(v) is int for v in item) or item[2] == 0:
+                raise MetadataError(f"{what}: range {_short(item)} must be [start, stop, step], step != 0")
+            rng = range(*item)
+            if len(out) + len(rng) > expected:
+                raise MetadataError(f"{what} lists more ranks than the rule's grid needs ({expected})")
+            out.extend(rng)
+    if len(out) != expected:
+        raise MetadataError(f"{what} lists {len(out)} ranks, the rule's grid needs {expected}")
+    return tuple(out)
+
+
+def _decode_rule(enc: Any, what: str) -> ShardRule:
+    if type(enc) is not list or len(enc) not in (4, 5):
+        raise MetadataError(
+            f"{what} must be [ranks, split_dims, num_chunks, replicas(, local_offset)], got {_short(enc)}"
+        )
+    here = lambda: what  # noqa: E731
+    split_dims, num_chunks = _ints(enc[1], here, "split_dims"), _ints(enc[2], here, "num_chunks")
+    replicas = enc[3]
+    if type(replicas) is not int or replicas < 1 or min(num_chunks, default=1) < 1:
+        raise MetadataError(f"{what}: num_chunks {num_chunks} and replicas {replicas!r} must be ints >= 1")
+    local = _ints(enc[4], here, "local_offset") if len(enc) == 5 else None
+    expected = math.prod(num_chunks) * replicas
+    if expected > _MAX_RULE_RANKS:
+        raise MetadataError(f"{what}: a grid of {expected} pieces exceeds the limit {_MAX_RULE_RANKS}")
+    ranks = _decode_ranks(enc[0], expected, f"{what} ranks")
+    try:
+        return ShardRule._of_ints(ranks, split_dims, num_chunks, replicas, local)
+    except MetadataError as exc:
+        raise MetadataError(f"{what}: {exc}") from None
+
+
+def _decode_shard(enc: Any, where: Callable[[], str], k: int) -> ShardMeta:
+    here = lambda: f"{where()} shards[{k}]"  # noqa: E731
+    if type(enc) is not list or len(enc) not in (3, 4) or type(enc[0]) is not int:
+        raise MetadataError(f"{here()} must be [rank, offset, shape(, local_offset)], got {_short(enc)}")
+    offset, shape = _ints(enc[1], here, "offset"), _ints(enc[2], here, "shape")
+    local = _ints(enc[3], here, "local_offset") if len(enc) == 4 else None
+    try:
+        return ShardMeta(enc[0], offset, shape, local)
+    except MetadataError as exc:
+        raise MetadataError(f"{here()}: {exc}") from None
+
+
+def _decode_param(p: Any, i: int, table: list[ShardRule]) -> ParameterMeta:
+    if type(p) is not dict:
+        raise MetadataError(f"params[{i}] must be an object, got {_short(p)}")
+    try:
+        name, shape, dtype = p["name"], p["shape"], p["dtype"]
+    except KeyError as exc:
+        raise MetadataError(f"params[{i}] lacks the field {exc.args[0]!r}") from None
+    if not p.keys() <= _PARAM_KEYS:
+        raise MetadataError(f"params[{i}] has unknown fields {sorted(p.keys() - _PARAM_KEYS)}")
+    if type(name) is not str or not name:
+        raise MetadataError(f"params[{i}] name must be a non-empty string, got {_short(name)}")
+    where = lambda: f"params[{i}] ({name!r})"  # noqa: E731
+    shape = _ints(shape, where, "shape")
+    if type(dtype) is not str or not dtype:
+        raise MetadataError(f"{where()} dtype must be a non-empty string, got {_short(dtype)}")
+    shards: tuple[ShardMeta, ...] = ()
+    if "shards" in p:
+        if type(p["shards"]) is not list:
+            raise MetadataError(f"{where()} shards must be a list, got {_short(p['shards'])}")
+        shards = tuple(_decode_shard(s, where, k) for k, s in enumerate(p["shards"]))
+    rules: tuple[ShardRule, ...] = ()
+    if "rules" in p:
+        refs = _ints(p["rules"], where, "rules")
+        if refs and (min(refs) < 0 or max(refs) >= len(table)):
+            raise MetadataError(f"{where()} rules {list(refs)} index past the {len(table)}-entry rule table")
+        rules = tuple(table[r] for r in refs)
+    return ParameterMeta(name, shape, dtype, shards, rules)
+
+
+@_gc_paused()
+def metas_from_json(data: bytes | bytearray | memoryview | str) -> list[ParameterMeta]:
+    """Parse `metas_to_json` output. Raises `MetadataError` naming the defect for input that is
+    not UTF-8, not JSON, of another format or version, or of the wrong shape or types (a JSON
+    ``true`` is not an integer). Parameters sharing a table rule share one `ShardRule` object."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MetadataError(f"metas JSON is not valid UTF-8: {exc}") from None
+    elif isinstance(data, str):
+        text = data
+    else:
+        raise MetadataError(f"metas JSON must be bytes or str, got {type(data).__name__}")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise MetadataError(f"metas JSON is malformed: {exc}") from None
+    if type(doc) is not dict:
+        raise MetadataError(f"metas JSON must be an object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT_TAG:
+        raise MetadataError(f"metas JSON format tag is {_short(doc.get('format'))}, expected {FORMAT_TAG!r}")
+    version = doc.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise MetadataError(
+            f"metas JSON version {_short(version)} is not supported (this build reads {FORMAT_VERSION})"
+        )
+    if doc.keys() != _TOP_KEYS:
+        raise MetadataError(f"metas JSON fields are {sorted(doc)}, expected {sorted(_TOP_KEYS)}")
+    rules, params = doc["rules"], doc["params"]
+    if type(rules) is not list or type(params) is not list:
+        raise MetadataError("metas JSON 'rules' and 'params' must be lists")
+    table = [_decode_rule(r, f"rules[{k}]") for k, r in enumerate(rules)]
+    return [_decode_param(p, i, table) for i, p in enumerate(params)]
+
+
+# ---- merging, validation, rank spaces, Awex conversion ---------------------------------------
+
+
+def _shard_key(s: ShardMeta) -> tuple[Any, ...]:
+    return (s.rank, s.global_offset, s.local, s.shape, s.local_offset is not None)
+
+
+def _rule_key(r: ShardRule) -> tuple[Any, ...]:
+    return (r.ranks, r.split_dims, r.num_chunks, r.replicas, r.local_offset is not None, r.local_offset or ())
+
+
+@_gc_paused()
+def merge_metas(
+    per_rank_lists: Mapping[int, Iterable[ParameterMeta]] | Iterable[Iterable[ParameterMeta]],
+) -> list[ParameterMeta]:
+    """One `ParameterMeta` per name holding every list's pieces, names sorted.
+
+    ``per_rank_lists`` is a sequence of per-rank lists (position = reporting rank) or a mapping
+    ``{rank: list}``. Explicit shards and rules are kept as given (never expanded or regrouped),
+    exact duplicates dropped (several ranks may report one shared rule), shards sorted by
+    (rank, global_offset, local offset) and rules by their ranks, so any input order gives the
+    same result. A name reported with two global shapes or dtypes raises `MetadataError` naming
+    both reporting ranks and both values.
+    """
+    items = per_rank_lists.items() if isinstance(per_rank_lists, Mapping) else enumerate(per_rank_lists)
+    acc: dict[str, tuple[Any, tuple[int, ...], str, dict[ShardMeta, None], dict[ShardRule, None]]] = {}
+    for label, metas in items:
+        for m in metas:
+            if not isinstance(m, ParameterMeta):
+                raise MetadataError(f"rank {label} reported {type(m).__name__}, not ParameterMeta")
+            entry = acc.get(m.name)
+            if entry is None:
+                acc[m.name] = (
+                    label, m.global_shape, m.dtype, dict.fromkeys(m.shards), dict.fromkeys(m.rules)
+                )
+                continue
+            first, shape, dtype, shards, rules = entry
+            for what, ours, theirs in (("global_shape", shape, m.global_shape), ("dtype", dtype, m.dtype)):
+                if ours != theirs:
+                    raise MetadataError(
+                        f"parameter {m.name!r}: rank {first} reports {what} {ours!r} but rank {label} "
+                        f"reports {theirs!r}"
+                    )
+            shards.update(dict.fromkeys(m.shards))
+            rules.update(dict.fromkeys(m.rules))
+    return [
+        ParameterMeta(
+            name, shape, dtype, tuple(sorted(shards, key=_shard_key)), tuple(sorted(rules, key=_rule_key))
+        )
+        for name, (_, shape, dtype, shards, rules) in sorted(acc.items())
+    ]
+
+
+# A box in one rank's pieces: (offset, shape, description of where it came from).
+_Box = tuple[tuple[int, ...], tuple[int, ...], str]
+
+
+def _find_overlap(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
+    """Two overlapping non-empty boxes, or None. Sort-and-sweep along the dim with the most
+    distinct start coordinates: O(n log n + n * A * ndim), A the largest number of boxes whose
+    extents on that dim share a point (1 for pieces cut along it, so O(n log n) in practice)."""
+    if len(boxes[0][0]) == 0:  # 0-d: every non-empty piece is the whole scalar
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    nd = len(boxes[0][0])
+    d = max(range(nd), key=lambda k: len({b[0][k] for b in boxes}))
+    his = [tuple(map(operator.add, b[0], b[1])) for b in boxes]
+    active: list[tuple[int, int]] = []  # heap of (end on dim d, box index)
+    for start, i in sorted((b[0][d], i) for i, b in enumerate(boxes)):
+        while active and active[0][0] <= start:
+            heapq.heappop(active)
+        lo, hi = boxes[i][0], his[i]
+        for _, j in active:
+            if all(map(operator.lt, lo, his[j])) and all(map(operator.lt, boxes[j][0], hi)):
+                return boxes[j], boxes[i]
+        heapq.heappush(active, (hi[d], i))
+    return None
+
+
+def _rule_piece(rule: ShardRule, k: int, pos: int, gshape: tuple[int, ...]) -> tuple[_Box, _Box]:
+    """(global box, local box) of the piece at position ``pos`` of ``rules[k]``."""
+    total = rule.total_chunks
+    offset, shape = rule.cell_box(gshape, pos % total)
+    where = f"rules[{k}] cell {pos % total} replica {pos // total}"
+    local = rule.local_offset if rule.local_offset is not None else (0,) * len(gshape)
+    return (offset, shape, where), (local, shape, where)
+
+
+def _overlap(name: str, rank: int, space: str, a: _Box, b: _Box) -> MetadataError:
+    return MetadataError(
+        f"parameter {name!r}: rank {rank} holds overlapping pieces in {space} space: "
+        f"{a[2]} box {_fmt_box(a[0], a[1])} and {b[2]} box {_fmt_box(b[0], b[1])}"
+    )
+
+
+def _check_shard(name: str, g: tuple[int, ...], k: int, s: ShardMeta) -> None:
+    inside = all(o >= 0 and o + n <= e for o, n, e in zip(s.global_offset, s.shape, g, strict=True))
+    bad = (
+        "negative rank" if s.rank < 0
+        else f"outside global_shape {g}" if not inside
+        else f"negative local_offset {s.local_offset}" if min(s.local, default=0) < 0
+        else None
+    )  # fmt: skip
+    if bad is not None:
+        box = _fmt_box(s.global_offset, s.shape)
+        raise MetadataError(f"parameter {name!r}: shards[{k}] of rank {s.rank}, box {box}: {bad}")
+
+
+def _check_rule(name: str, g: tuple[int, ...], k: int, rule: ShardRule) -> tuple[Sequence[int], ...]:
+    """Checks one rule alone; returns (positions into ranks of its pieces, the ranks there)."""
+    positions, held = rule._held(g)
+    positions = range(len(held)) if positions is None else positions
+    if held and min(held) < 0:
+        i = next(i for i, r in enumerate(held) if r < 0)
+        off, shape, where = _rule_piece(rule, k, positions[i], g)[0]
+        box = _fmt_box(off, shape)
+        raise MetadataError(f"parameter {name!r}: {where} has negative rank {held[i]} (box {box})")
+    if min(rule.local_offset or (), default=0) < 0:
+        raise MetadataError(f"parameter {name!r}: rules[{k}] has negative local_offset {rule.local_offset}")
+    if len(set(held)) != len(held):  # a rank with two pieces of one rule: same cell or same local box
+        first: dict[int, int] = {}
+        for i, r in enumerate(held):
+            if r in first:
+                p, q = positions[first[r]], positions[i]
+                same_cell = p % rule.total_chunks == q % rule.total_chunks
+                gp, lp = _rule_piece(rule, k, p, g)
+                gq, lq = _rule_piece(rule, k, q, g)
+                raise _overlap(name, r, "global", gp, gq) if same_cell else _overlap(name, r, "local", lp, lq)
+            first[r] = i
+    return positions, held
+
+
+# (id(rule), global_shape) -> (rule, positions, held); holding the rule keeps its id unique.
+_RuleCache = dict[tuple[int, tuple[int, ...]], tuple[ShardRule, Sequence[int], Sequence[int]]]
+
+
+def _validate_param(m: ParameterMeta, cache: _RuleCache) -> None:
+    name, g = m.name, m.global_shape
+    if m.dtype not in _DTYPE_ITEMSIZE:
+        raise MetadataError(f"parameter {name!r}: unknown dtype {m.dtype!r}")
+    # rank -> [(global box, local box)]: explicit non-empty pieces, plus the rule pieces of ranks
+    # that another source (explicit pieces or another rule) of this parameter also lists.
+    by_rank: defaultdict[int, list[tuple[_Box, _Box]]] = defaultdict(list)
+    for k, s in enumerate(m.shards):
+        _check_shard(name, g, k, s)
+        if 0 not in s.shape:
+            tag = f"shards[{k}]"
+            by_rank[s.rank].append(((s.global_offset, s.shape, tag), (s.local, s.shape, tag)))
+    holders = []
+    for k, rule in enumerate(m.rules):
+        hit = cache.get((id(rule), g))
+        if hit is None or hit[0] is not rule:
+            hit = cache[(id(rule), g)] = (rule, *_check_rule(name, g, k, rule))
+        holders.append(hit[1:])
+    if len(holders) + bool(by_rank) > 1:
+        counts = Counter(by_rank.keys())
+        for _, held in holders:
+            counts.update(held)
+        shared = {r for r, c in counts.items() if c > 1}
+        for k, (positions, held) in enumerate(holders):
+            if not shared.isdisjoint(held):
+                for i, r in enumerate(held):
+                    if r in shared:
+                        by_rank[r].append(_rule_piece(m.rules[k], k, positions[i], g))
+    for r, pieces in by_rank.items():
+        if len(pieces) > 1:
+            for space, idx in (("global", 0), ("local", 1)):
+                hit = _find_overlap([p[idx] for p in pieces])
+                if hit is not None:
+                    raise _overlap(name, r, space, *hit)
+
+
+def validate_metas(metas: Iterable[ParameterMeta]) -> None:
+    """Check a metadata list; raise `MetadataError` naming the parameter, the rank and the box.
+
+    Checks: names unique; dtype known; ranks non-negative; every piece inside the global shape
+    (ndim and rule dims are checked when the objects are built); local offsets non-negative; no
+    two non-empty pieces of one rank overlapping in global space or in the rank's local tensor.
+    A rule's own cells are disjoint, so a rule costs O(len(ranks)) C-level work (a set of its
+    ranks) unless a rank appears twice in it or also in another source of the same parameter;
+    only those ranks' pieces are materialised and swept (see `_find_overlap`).
+    """
+    seen: set[str] = set()
+    cache: _RuleCache = {}
+    for i, m in enumerate(metas):
+        if not isinstance(m, ParameterMeta):
+            raise MetadataError(f"metas[{i}] is {type(m).__name__}, not ParameterMeta")
+        if m.name in seen:
+            raise MetadataError(f"parameter {m.name!r} appears more than once (again at metas[{i}])")
+        seen.add(m.name)
+        _validate_param(m, cache)
+
+
+def _positive_int(value: Any, what: str) -> int:
+    try:
+        out = 0 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        out = 0
+    if out < 1:
+        raise MetadataError(f"{what} must be a positive integer, got {_short(value)}")
+    return out
+
+
+def transfer_ranks(engine_sizes: Sequence[int], train_world_size: int) -> tuple[list[int], int]:
+    """Transfer-rank bases: inference engine ``e`` starts at ``infer_bases[e]`` (prefix sums of
+    ``engine_sizes``; engines may differ in size), training ranks start at ``train_base`` (after
+    every inference rank). ``infer_bases[e] + r`` is engine ``e``'s local rank ``r``."""
+    bases: list[int] = []
+    total = 0
+    for e, size in enumerate(engine_sizes):
+        bases.append(total)
+        total += _positive_int(size, f"engine {e} size")
+    _positive_int(train_world_size, "train_world_size")
+    return bases, total
+
+
+@_gc_paused()
+def with_rank_offset(metas: Iterable[ParameterMeta], offset: int) -> list[ParameterMeta]:
+    """Copies of ``metas`` with every rank (explicit shards and rules) shifted by ``offset``:
+    side-local ranks -> transfer ranks. A shift to a negative rank raises `MetadataError`."""
+    try:
+        offset = operator.index(offset)
+    except TypeError:
+        raise MetadataError(f"rank offset must be an integer, got {_short(offset)}") from None
+    if offset == 0:
+        return list(metas)
+    moved: dict[ShardRule, ShardRule] = {}
+    out = []
+    for m in metas:
+        shards = tuple(ShardMeta(s.rank + offset, s.global_offset, s.shape, s.local_offset) for s in m.shards)
+        rules = []
+        for r in m.rules:
+            new = moved.get(r)
+            if new is None:
+                ranks = tuple(map(offset.__add__, r.ranks))
+                if ranks and min(ranks) < 0:
+                    raise MetadataError(f"parameter {m.name!r}: offset {offset} gives rank {min(ranks)}")
+                new = ShardRule._of_ints(ranks, r.split_dims, r.num_chunks, r.replicas, r.local_offset)
+                moved[r] = new
+            rules.append(new)
+        low = min((s.rank for s in shards), default=0)
+        if low < 0:
+            raise MetadataError(f"parameter {m.name!r}: offset {offset} gives negative rank {low}")
+        out.append(ParameterMeta(m.name, m.global_shape, m.dtype, shards, tuple(rules)))
+    return out
+
+
+def metas_from_awex(objs: Iterable[Any], rank_offset: int = 0) -> list[ParameterMeta]:
+    """Convert Awex ``ParameterMeta`` objects (duck-typed: ``name``, ``global_shape``, ``dtype`` as a
+    ``torch.dtype``, ``shards`` with ``global_rank``, ``global_offset``, ``shape``; other attributes
+    such as ``engine_rank``, ``world_size`` and ``replicas`` are ignored) into ours, one per object
+    in input order; a piece's rank is ``global_rank + rank_offset``. An empty ``global_offset``
+    (Awex's default before offsets are resolved) means zeros. Pass per-rank objects through
+    `merge_metas` afterwards."""
+    out = []
+    for i, obj in enumerate(objs):
+        label = f"awex meta {i} ({getattr(obj, 'name', '?')!r})"
+        try:
+            name, gshape, dtype, src = obj.name, tuple(obj.global_shape), obj.dtype, list(obj.shards)
+            shards = []
+            for k, sh in enumerate(src):
+                try:
+                    offset, shape = tuple(sh.global_offset), tuple(sh.shape)
+                    rank = operator.index(sh.global_rank) + rank_offset
+                    shards.append(ShardMeta(rank, offset or (0,) * len(shape), shape))
+                except AttributeError as exc:
+                    raise MetadataError(f"{label}: shards[{k}] lacks {exc.name!r}") from None
+                except MetadataError as exc:
+                    raise MetadataError(f"{label}: shards[{k}]: {exc}") from None
+        except AttributeError as exc:
+            raise MetadataError(f"{label} lacks the attribute {exc.name!r}") from None
+        except TypeError as exc:
+            raise MetadataError(f"{label}: {exc}") from None
+        out.append(ParameterMeta(str(name), gshape, dtype_name(dtype), tuple(shards)))
+    return out
