@@ -115,7 +115,7 @@ def _raw(group: object, rp: object, dev: torch.device) -> tuple[callable, int]:
 
 
 def _naive(
-    group: object, rank: int, spec: dict, train: list, infer: list, tensors: dict
+    group: object, rank: int, spec: dict, train: list, infer: list, tensors: dict, dev: torch.device
 ) -> tuple[callable, int]:
     """Gather every full parameter on training rank 0 and send it to every inference rank, one
     parameter at a time (each distinct training box comes from its lowest-ranked holder)."""
@@ -123,8 +123,10 @@ def _naive(
     root = n_infer
     inf_dtype = torch_dtype(spec["dtype"])
     biggest = max(math.prod(m.global_shape) for m in train)
-    full_buf = torch.empty(biggest, dtype=torch_dtype(spec["train_dtype"])) if rank == root else None
-    cast_buf = torch.empty(biggest, dtype=inf_dtype) if rank == root or rank < n_infer else None
+    full_buf = (
+        torch.empty(biggest, dtype=torch_dtype(spec["train_dtype"]), device=dev) if rank == root else None
+    )
+    cast_buf = torch.empty(biggest, dtype=inf_dtype, device=dev) if rank == root or rank < n_infer else None
     nbytes = sum(math.prod(m.global_shape) for m in infer) * inf_dtype.itemsize * n_infer
     steps = []
     for t_meta, i_meta in zip(train, infer, strict=True):
@@ -147,7 +149,7 @@ def _naive(
                     if p.rank == root:
                         full[box].copy_(tensors[t_meta.name])
                     else:
-                        part = torch.empty(p.shape, dtype=full.dtype)
+                        part = torch.empty(p.shape, dtype=full.dtype, device=dev)
                         group.irecv(part, p.rank, 0).wait(wait)
                         full[box].copy_(part)
                 out = cast_buf[:numel]
@@ -179,7 +181,11 @@ def main(spec_path: str) -> int:
     plan = build_plan(train, infer, bucket_bytes=spec["bucket_mb"] << 20)
     rp = plan.for_rank(rank)
     plan_s = time.perf_counter() - t0
-    dev = torch.device("cuda", 0) if spec["backend"] != "gloo" else torch.device("cpu")
+    if spec["backend"] == "gloo":
+        dev = torch.device("cpu")
+    else:  # one GPU per rank, round robin over the node's devices
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     tensors: dict[str, torch.Tensor] = {}
     for m in train if is_train else infer:
         for p in m.pieces():
@@ -218,7 +224,7 @@ def main(spec_path: str) -> int:
     if "raw" in spec["methods"]:
         runners["raw"] = _raw(group, rp, dev)
     if "naive" in spec["methods"]:
-        runners["naive"] = _naive(group, rank, spec, train, infer, tensors)
+        runners["naive"] = _naive(group, rank, spec, train, infer, tensors, dev)
     times: dict[str, list[float]] = {m: [] for m in spec["methods"]}
     nbytes = {}
     verified, trace = True, []
