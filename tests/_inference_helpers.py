@@ -59,8 +59,10 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy ``generate`` (no EOS: random weights would stop at random places)."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+    ids = torch.tensor([prompt])
+    # An explicit mask: generate would otherwise treat prompt tokens equal to pad_token_id as padding.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
 
 
