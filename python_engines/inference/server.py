@@ -62,7 +62,8 @@ ADMIN_KEY_ENV = "AWEX_FAST_ADMIN_KEY"
 @dataclass
 class ServerConfig:
     """Everything a worker process needs, as JSON. ``model_path``: an HF directory (weights
-    loaded from it); else ``hf_config`` (a config.json dict) with random weights from ``seed``."""
+    loaded from it); else ``hf_config`` (a config.json dict) with random weights from ``seed``
+    (normal with ``initializer_range``, default the config's, else 0.02)."""
 
     model_path: str | None = None
     hf_config: dict[str, Any] | None = None
@@ -74,7 +75,7 @@ class ServerConfig:
     max_seq_len: int = 1024
     max_running: int = 32
     seed: int = 0
-    initializer_range: float = 0.02
+    initializer_range: float | None = None
     num_threads: int = 1
     version: int = 0
     group_timeout_s: float = 600.0

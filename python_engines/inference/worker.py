@@ -86,7 +86,8 @@ class Worker:
         if config.get("model_path"):
             load_hf_weights(self.model, config["model_path"])
         else:
-            init_random_weights(self.model, int(config["seed"]), float(config["initializer_range"]))
+            std = config.get("initializer_range") or hf_config.get("initializer_range", 0.02)
+            init_random_weights(self.model, int(config["seed"]), float(std))
         kv_heads = self.model.shapes.num_kv_heads_local
         self.cache = KVCache(self.args.num_layers, int(config["max_running"]), max_len, kv_heads,
                              self.args.head_dim, self.dtype, self.device)
