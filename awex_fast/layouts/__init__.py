@@ -1,0 +1,46 @@
+"""Metadata builders: which box of which canonical tensor each rank holds.
+
+* `metas_from_dtensors` (`awex_fast.layouts.dtensor`): exact pieces of DTensors (FSDP2, TP,
+  2-D FSDP2 x TP with ``_StridedShard``, HSDP, uneven chunks); plain tensors are replicas.
+* `ParallelLayout`, `megatron_metas` (`awex_fast.layouts.megatron`): Megatron-style TP / PP /
+  CP / DP / EP layouts as compact `ShardRule` grids for a whole training side.
+* `FusedLayout`, `DecoderConfig` (`awex_fast.layouts.fused`): vLLM / SGLang fused per-TP-rank
+  tensors as canonical views, their metas, shapes and an allocator.
+
+Names resolve lazily (PEP 562): a submodule is imported on first use of one of its names, so
+``from awex_fast.layouts import megatron_metas`` does not load the DTensor or fused modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "metas_from_dtensors": "dtensor",
+    "CanonicalSlot": "fused",
+    "DecoderConfig": "fused",
+    "FusedLayout": "fused",
+    "VOCAB_PADDING": "fused",
+    "pad_vocab_size": "fused",
+    "MEGATRON_ORDER": "megatron",
+    "ParallelLayout": "megatron",
+    "megatron_metas": "megatron",
+    "megatron_style": "megatron",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the submodule that defines ``name`` on first use."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'awex_fast.layouts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"awex_fast.layouts.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
