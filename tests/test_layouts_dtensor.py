@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from awex_fast.layouts.dtensor import _port_shard_order, _port_split, _torch_split, local_runs
-from awex_fast.meta import MetadataError, ShardMeta
+from awex_fast.meta import MetadataError, ShardMeta, validate_metas
 
 MAX_BOXES = 256
 MAX_DIMS = 4
@@ -98,6 +98,7 @@ def _run_case(rank, world, build, multiplicity):
     try:
         metas = metas_from_dtensors(named, rank)
         assert [m.name for m in metas] == names
+        validate_metas(metas)
         for meta in metas:
             t = named[meta.name]
             oracles = [originals[meta.name]] + ([fulls[meta.name]] if meta.name in fulls else [])
@@ -203,8 +204,9 @@ def _case_fsdp_tp(dp, tp, rows):
 
 def _case_distribute(world):
     """distribute_tensor with explicit placements: uneven Shard on every dim, Replicate, 2-D
-    meshes, _StridedShard that does not decode into a shard order (disjoint local boxes), and a
-    DTensor on a sub-mesh (global ranks 2 and 3) that ranks 0 and 1 are not part of."""
+    meshes, _StridedShard that does not decode into a shard order (disjoint local boxes),
+    flattening views of sharded tensors (disjoint boxes again), and a DTensor on a sub-mesh
+    (global ranks 2 and 3) that ranks 0 and 1 are not part of."""
 
     def build():
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -228,6 +230,9 @@ def _case_distribute(world):
             "submesh": torch.randn(5, 2, generator=gen),
             "scalar": torch.randn((), generator=gen),
             "plain": torch.randn(3, 2, generator=gen).to(torch.bfloat16),
+            "view_s1": torch.randn(4, 8, generator=gen),
+            "view_s1s0": torch.randn(4, 8, generator=gen),
+            "view_3d": torch.randn(2, 4, 4, generator=gen),
         }
         named = {
             "rows7": distribute_tensor(originals["rows7"], mesh1, [Shard(0)]),
@@ -248,7 +253,14 @@ def _case_distribute(world):
             "submesh": distribute_tensor(originals["submesh"], sub, [Shard(0)]),
             "scalar": distribute_tensor(originals["scalar"], mesh1, [Replicate()]),
             "plain": originals["plain"],
+            # View ops give _StridedShard with its own split meaning (the spec says so).
+            "view_s1": distribute_tensor(originals["view_s1"], mesh1, [Shard(1)]).view(32),
+            "view_s1s0": distribute_tensor(originals["view_s1s0"], mesh2, [Shard(1), Shard(0)]).view(32),
+            "view_3d": distribute_tensor(originals["view_3d"], mesh2, [Shard(1), Shard(2)]).view(2, 16),
         }
+        originals["view_s1"] = originals["view_s1"].view(32)
+        originals["view_s1s0"] = originals["view_s1s0"].view(32)
+        originals["view_3d"] = originals["view_3d"].view(2, 16)
         return named, originals
 
     return build

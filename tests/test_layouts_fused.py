@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from awex_fast.layouts.fused import DecoderConfig, FusedLayout, pad_vocab_size
+from awex_fast.meta import merge_metas, validate_metas
 
 SENTINEL = -1.0
 TPS = (1, 2, 4, 8)
@@ -211,6 +212,7 @@ def _check_layout(kind, hf_cfg, params, tp, *, expert_parallel=False, placement=
     canonical = params if names == "stacked" else full
     counts = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in canonical.items()}
     seen = set()  # with expert parallelism a rank views only its own experts
+    per_rank = []
     for r in range(tp):
         layout = FusedLayout(
             hf_cfg, tp, r, expert_parallel=expert_parallel, expert_placement=placement, expert_names=names
@@ -228,6 +230,7 @@ def _check_layout(kind, hf_cfg, params, tp, *, expert_parallel=False, placement=
             t[_padding_mask(n, t, cfg, tp, r)] = 0
         views = layout.views(fused)
         metas = layout.metas("float32", rank=100 + r)
+        per_rank.append(metas)
         assert [m.name for m in metas] == list(views)
         assert set(views) <= set(canonical) - set(layout.tied), (kind, tp, r)
         seen.update(views)
@@ -250,6 +253,7 @@ def _check_layout(kind, hf_cfg, params, tp, *, expert_parallel=False, placement=
                 covered[_box(piece.local, piece.shape)] += 1
             assert bool((covered == 1).all()), f"{meta.name}: pieces do not tile the view"
     assert seen == set(canonical) - set(layout.tied), (kind, tp)
+    validate_metas(merge_metas(per_rank))
     for n, c in counts.items():
         if n in layout.tied:
             assert int(c.sum()) == 0

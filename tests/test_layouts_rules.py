@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from awex_fast.layouts.megatron import ParallelLayout, megatron_metas, megatron_style, world_ranks
+from awex_fast.meta import metas_from_json, metas_to_json, validate_metas
 
 H, I_DENSE, I_MOE, V, E = 8, 12, 8, 300, 8  # V=300: padded to 512 at TP2, rank 1 holds 44 rows
 HEADS, GROUPS, HD = 4, 2, 2
@@ -155,6 +156,8 @@ def _check(lay, names, *, tied=False, interleaved=False):
         interleaved_qkv=(HEADS, GROUPS, HD) if interleaved else None,
     )
     assert [m.name for m in metas] == [n for n, _ in names]
+    validate_metas(metas)
+    assert metas_from_json(metas_to_json(metas)) == metas
     by_rank = {r: {} for r in range(lay.world_size)}
     for m in metas:
         for piece in m.pieces():

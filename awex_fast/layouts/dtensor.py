@@ -12,26 +12,34 @@ Seen on torch 2.13:
   row at offset 6 for the first and an empty box for the second. ``full_tensor()`` is right,
   because redistribution decodes the placements into a *shard order* first.
 
-So this module follows the two meanings torch itself gives `_StridedShard`:
+So this module follows the meanings torch itself gives `_StridedShard`:
 
-1. When the placements decode into a shard order (every ``split_factor`` equals the product of
-   the mesh sizes of the shardings applied before it; FSDP2 always produces such placements),
-   each tensor dim is chunked mesh dim after mesh dim *in that order*, torch.chunk arithmetic
-   each time. This is what FSDP2 stores and what ``full_tensor()`` assumes. The decoding is
-   torch's ``DTensorSpec._maybe_convert_StridedShard_to_shard_order`` where it exists (torch
-   2.13), else a port of it. Every piece is then one contiguous box.
+0. Where the DTensor's spec records its own shard order (recent torch: specs built with
+   ``use_strided_shard_as_shard_order=False``, as view ops build them), each tensor dim is
+   split mesh dim after mesh dim in that order, every placement with its own split.
+1. Otherwise, when the placements decode into a shard order (every ``split_factor`` equals the
+   product of the mesh sizes of the shardings applied before it; FSDP2 always produces such
+   placements), each tensor dim is chunked mesh dim after mesh dim *in that order*, torch.chunk
+   arithmetic each time. This is what FSDP2 stores and what ``full_tensor()`` assumes. The
+   decoding is torch's ``DTensorSpec._maybe_convert_StridedShard_to_shard_order`` where it
+   exists (torch 2.13), else a port of it. Every piece is then one contiguous box.
 2. Otherwise (e.g. ``_StridedShard(0, sf=2)`` on a 1-D mesh) each placement is applied left to
    right with the placement's own ``_split_tensor`` on an index tensor, the same call torch uses
    to scatter and to gather such tensors, with a port of the arithmetic where the private method
-   is missing. A rank may then hold several disjoint boxes of one tensor: each is reported as
-   its own `ShardMeta` with the ``local_offset`` where it sits in the local tensor.
+   is missing.
+
+Under 0 and 2 a rank may hold several disjoint boxes of one tensor (a ``.view(-1)`` of a
+column-sharded weight): each is reported as its own `ShardMeta` with the ``local_offset`` where
+it sits in the local tensor.
 
 Every result is checked against the shape of the rank's real local tensor; a mismatch raises
 `MetadataError` instead of reporting pieces the rank does not hold.
 
-Private torch API used (guarded): ``torch.distributed.tensor.placement_types._StridedShard``
-(its ``dim``, ``split_factor`` and ``_split_tensor``), and
-``torch.distributed.tensor._dtensor_spec.DTensorSpec._maybe_convert_StridedShard_to_shard_order``.
+Private torch API used, each guarded (absent -> the port or the placements alone):
+``torch.distributed.tensor.placement_types._StridedShard`` (its ``dim``, ``split_factor`` and
+``_split_tensor``), ``torch.distributed.tensor._dtensor_spec.DTensorSpec.
+_maybe_convert_StridedShard_to_shard_order``, and ``DTensor._spec``'s
+``use_strided_shard_as_shard_order`` and ``shard_order``.
 """
 
 from __future__ import annotations
@@ -171,6 +179,19 @@ def _torch_split(placement: Any, dim: int, indices: list[int], num_chunks: int, 
     return _port_split(placement, indices, num_chunks, coord)
 
 
+def _spec_shard_order(tensor: Any) -> dict[int, list[int]] | None:
+    """The DTensor's own shard order where its spec records one (recent torch: specs built
+    with ``use_strided_shard_as_shard_order=False``, e.g. by view ops, carry ``shard_order``
+    and mean `_StridedShard` as its own split); None where the placements alone decide."""
+    spec = getattr(tensor, "_spec", None)
+    if getattr(spec, "use_strided_shard_as_shard_order", None) is not False:
+        return None
+    order = getattr(spec, "shard_order", None)
+    if order is None:
+        return None
+    return {int(e.tensor_dim): [int(m) for m in e.mesh_dims] for e in order}
+
+
 def local_runs(
     name: str,
     global_shape: Sequence[int],
@@ -178,11 +199,18 @@ def local_runs(
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
     mesh: Any = None,
+    shard_order: Mapping[int, Sequence[int]] | None = None,
 ) -> list[list[Run]]:
     """Per tensor dim, the runs ``(local_start, global_start, length)`` of global indices that the
-    rank at mesh ``coordinate`` holds, in local order. ``mesh`` (the DeviceMesh) lets torch decode
-    the shard order; without it the port decodes. Raises `MetadataError` for Partial (a
-    partial tensor has no defined local piece) and for placements this module does not know."""
+    rank at mesh ``coordinate`` holds, in local order.
+
+    ``shard_order`` (tensor dim -> mesh dims in application order), when given, is the DTensor
+    spec's own order, and each placement then applies its own split (`_StridedShard`'s
+    ``_split_tensor``). Without it, placements that decode into a shard order are applied in
+    that order as plain chunks (``mesh``, the DeviceMesh, lets torch decode; else the port
+    does), and others left to right with their own splits. Raises `MetadataError` for Partial
+    (a partial tensor has no defined local piece) and for placements this module does not know.
+    """
     ndim = len(global_shape)
     mesh_shape = tuple(int(s) for s in mesh_shape)
     shard_dims: list[int | None] = []
@@ -198,26 +226,34 @@ def local_runs(
             )
         else:
             raise MetadataError(f"parameter {name!r}: unsupported placement {p!r} on mesh dim {mesh_dim}")
+    left_to_right: dict[int, list[int]] = {}
+    for mesh_dim, dim in enumerate(shard_dims):
+        if dim is not None:
+            left_to_right.setdefault(dim, []).append(mesh_dim)
+    as_chunks = False
+    if shard_order is not None:
+        orders = {int(d): list(m) for d, m in shard_order.items()}
+        if {d: sorted(m) for d, m in orders.items()} != left_to_right:
+            raise MetadataError(
+                f"parameter {name!r}: shard order {orders} does not match placements {tuple(placements)}"
+            )
+    else:
+        decoded = _shard_order(placements, shard_dims, mesh, mesh_shape)
+        as_chunks = decoded is not None
+        orders = decoded if decoded is not None else left_to_right
     runs: list[list[Run]] = [[(0, 0, int(s))] for s in global_shape]
-    orders = _shard_order(placements, shard_dims, mesh, mesh_shape)
-    if orders is not None:
-        for dim, mesh_dims in orders.items():
-            start, stop = 0, int(global_shape[dim])
-            for mesh_dim in mesh_dims:
-                lo, hi = chunk_bounds(stop - start, mesh_shape[mesh_dim], int(coordinate[mesh_dim]))
-                start, stop = start + lo, start + hi
-            runs[dim] = [(0, start, stop - start)]
-        return runs
-    indices: dict[int, list[int]] = {}
-    for mesh_dim, (p, dim) in enumerate(zip(placements, shard_dims, strict=True)):
-        if dim is None:
-            continue
-        cur = indices.get(dim)
-        if cur is None:
-            cur = list(range(int(global_shape[dim])))
-        indices[dim] = _torch_split(p, dim, cur, mesh_shape[mesh_dim], int(coordinate[mesh_dim]))
-    for dim, idx in indices.items():
-        runs[dim] = _runs_from_indices(idx) if idx else [(0, 0, 0)]
+    for dim, mesh_dims in orders.items():
+        seq: Sequence[int] = range(int(global_shape[dim]))
+        for mesh_dim in mesh_dims:
+            p, n, c = placements[mesh_dim], mesh_shape[mesh_dim], int(coordinate[mesh_dim])
+            if as_chunks or not _is_strided(p):
+                seq = seq[slice(*chunk_bounds(len(seq), n, c))]  # torch.chunk; a range stays a range
+            else:
+                seq = _torch_split(p, dim, list(seq), n, c)
+        if isinstance(seq, range):
+            runs[dim] = [(0, seq.start if len(seq) else 0, len(seq))]
+        else:
+            runs[dim] = _runs_from_indices(seq) if seq else [(0, 0, 0)]
     return runs
 
 
@@ -294,10 +330,12 @@ def metas_from_dtensors(
         if coordinate is None:
             out.append(ParameterMeta(name, global_shape, dtype, ()))
             continue
-        key = (global_shape, tuple(mesh.shape), tuple(coordinate), placements)
+        order = _spec_shard_order(tensor)
+        frozen = None if order is None else tuple(sorted((d, tuple(m)) for d, m in order.items()))
+        key = (global_shape, tuple(mesh.shape), tuple(coordinate), placements, frozen)
         runs = cache.get(key)
         if runs is None:
-            runs = local_runs(name, global_shape, placements, tuple(mesh.shape), coordinate, mesh)
+            runs = local_runs(name, global_shape, placements, tuple(mesh.shape), coordinate, mesh, order)
             cache[key] = runs
         local_shape = tuple(sum(n for _, _, n in dim_runs) for dim_runs in runs)
         actual = tuple(int(s) for s in tensor.to_local().shape)
