@@ -17,8 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from python_engines.inference.kv_cache import KVCache
 from python_engines.inference.model import ModelArgs, Transformer
-from python_engines.inference.tp import TPContext, pad_vocab
-from python_engines.inference.weights import canonical_views, init_random_weights, load_hf_weights
+from python_engines.inference.tp import TPContext
+from python_engines.inference.weights import (
+    canonical_views,
+    init_random_weights,
+    load_hf_weights,
+    weight_metas,
+)
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -105,7 +110,7 @@ def test_random_init_is_identical_across_tp_sizes():
 
     args = ModelArgs.from_hf_config(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                 num_attention_heads=4, num_key_value_heads=1,
-                                                vocab_size=100).to_dict())
+                                                vocab_size=20).to_dict())
     full = Transformer(args, TPContext(), 8)
     init_random_weights(full, seed=7, initializer_range=0.2)
     whole = {v.name: v.view for v in canonical_views(full)}
@@ -114,14 +119,14 @@ def test_random_init_is_identical_across_tp_sizes():
         init_random_weights(part, seed=7, initializer_range=0.2)
         for v in canonical_views(part):
             assert torch.equal(v.view, whole[v.name][v.global_slices()]), (rank, v.name)
-    assert pad_vocab(100, 4) == 256 and part.shapes.vocab_local == 64
+    assert part.shapes.vocab_padded == 64 and part.shapes.vocab_local == 16  # 20 -> 64 (vLLM pads to x64)
     names = {v.name for v in canonical_views(part)}
     assert "model.embed_tokens.weight" not in names  # rank 3 holds only padding rows
 
 
 def test_layout_errors_name_the_field():
     base = {"model_type": "qwen2", "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 64}
+            "num_attention_heads": 6, "num_key_value_heads": 3, "vocab_size": 150}
 
     def make(tp: int, **changes):
         Transformer(ModelArgs.from_hf_config({**base, **changes}), TPContext(0, tp), 8)
@@ -134,9 +139,13 @@ def test_layout_errors_name_the_field():
         make(4, num_attention_heads=12)
     with pytest.raises(ValueError, match="intermediate_size=64 is not divisible by tp_size=3"):
         make(3)
+    with pytest.raises(ValueError, match=r"padded vocabulary 64 .* not divisible by tp_size=3"):
+        make(3, intermediate_size=60, vocab_size=64)
     with pytest.raises(ValueError, match="hidden_act"):
         ModelArgs.from_hf_config({**base, "hidden_act": "gelu"})
-    make(6, intermediate_size=60)  # 6 ranks over 3 KV heads: each KV head on 2 ranks
+    model = Transformer(ModelArgs.from_hf_config({**base, "intermediate_size": 60}), TPContext(5, 6), 8)
+    assert model.shapes.kv_head_start == 2 and model.shapes.vocab_local == 32  # 6 ranks over 3 KV heads
+    assert {m.name for m in weight_metas(model)} >= {"model.layers.0.self_attn.k_proj.weight"}
 
 
 # ---------------------------------------------------------------------------------------- TP

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from python_engines.inference.kv_cache import SlotAllocator
 from python_engines.inference.sampling import SamplingParams, sample
 
 __all__ = ["ForwardFn", "Scheduler", "Sequence"]
@@ -100,7 +101,7 @@ class Scheduler:
         self.scratch_slot = scratch_slot
         self.max_running = min(max_running or num_slots, num_slots)
         self.device = torch.device(device)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.slots = SlotAllocator(num_slots)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.paused = False
@@ -134,8 +135,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.stop_reason, seq.error = reason, error
         if seq.slot is not None:
-            self._free.append(seq.slot)
-            self._free.sort(reverse=True)
+            self.slots.give_back(seq.slot)
             seq.slot = None
         self.counters["requests_finished"] += 1
         seq.on_finish(seq)
@@ -176,9 +176,10 @@ class Scheduler:
     # ------------------------------------------------------------------------------ stepping
 
     def _admit(self) -> None:
-        while self.waiting and self._free and len(self.running) < self.max_running and not self.paused:
+        while (self.waiting and self.slots.num_free and len(self.running) < self.max_running
+               and not self.paused):
             seq = self.waiting.popleft()
-            seq.slot = self._free.pop()
+            seq.slot = self.slots.take()
             seq.cached_len = 0
             self.running.append(seq)
 
@@ -271,7 +272,7 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting),
             "paused": self.paused,
-            "free_slots": len(self._free),
+            "free_slots": self.slots.num_free,
             "max_running": self.max_running,
             "max_seq_len": self.max_seq_len,
             "tokens_per_s": self.tokens_per_second(),

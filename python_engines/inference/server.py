@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -295,9 +296,24 @@ def worker_main(config: ServerConfig, rank: int) -> None:
         server.stop()
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit this worker when the process that launched it is gone (the handle can no longer
+    shut it down): a daemon thread polls the parent pid."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.warning("launching process %d is gone; worker exits", parent)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="awex-fast-parent-watch", daemon=True).start()
+
+
 def _worker_entry(config_json: str, rank: int) -> int:
     config = ServerConfig(**json.loads(config_json))
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    _exit_with_parent()
     try:
         worker_main(config, rank)
     except BaseException:

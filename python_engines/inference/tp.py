@@ -1,11 +1,13 @@
 """Tensor-parallel arithmetic of the inference decoder: who holds which heads, rows and columns.
 
 Why a separate file: `model.py` should read like a plain decoder. Everything that depends on the
-TP rank lives here: the per-rank sizes of the fused tensors (vLLM's ``QKVParallelLinear``,
+TP rank lives here: the per-rank sizes the forward pass uses (vLLM's ``QKVParallelLinear``,
 ``MergedColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``), which KV
 heads a rank holds when TP exceeds their count (replicated: rank ``r`` reads KV head
 ``r // (tp // num_kv_heads)``), the padded vocabulary, and the two collectives the forward pass
-needs (all-reduce after row-parallel matmuls, all-gather of vocab-parallel logits).
+needs (all-reduce after row-parallel matmuls, all-gather of vocab-parallel logits). The
+authoritative table of the fused tensors is `awex_fast.layouts.fused.FusedLayout`;
+`python_engines.inference.weights` checks every parameter's shape against it.
 """
 
 from __future__ import annotations
@@ -15,17 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["VOCAB_PADDING", "TPContext", "TPShapes", "pad_vocab"]
+from awex_fast.layouts.fused import pad_vocab_size
 
-#: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: the global vocabulary is padded to a multiple of this
-#: (times the TP size, so that every rank holds the same number of rows).
-VOCAB_PADDING = 64
-
-
-def pad_vocab(vocab_size: int, tp_size: int) -> int:
-    """The padded global vocabulary: ``vocab_size`` rounded up to a multiple of 64 * tp_size."""
-    step = VOCAB_PADDING * tp_size
-    return -(-vocab_size // step) * step
+__all__ = ["TPContext", "TPShapes"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +80,9 @@ class TPShapes:
             raise ValueError(f"num_key_value_heads={self.num_kv_heads} is not divisible by tp_size={tp}")
         if self.intermediate_size % tp:
             raise ValueError(f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp}")
+        if self.vocab_padded % tp:
+            raise ValueError(f"padded vocabulary {self.vocab_padded} (vocab_size={self.vocab_size} rounded "
+                             f"up to a multiple of 64) is not divisible by tp_size={tp}")
 
     @property
     def num_heads_local(self) -> int:
@@ -127,8 +124,8 @@ class TPShapes:
 
     @property
     def vocab_padded(self) -> int:
-        """The padded global vocabulary size."""
-        return pad_vocab(self.vocab_size, self.tp.size)
+        """The padded global vocabulary size (vLLM: a multiple of 64, `pad_vocab_size`)."""
+        return pad_vocab_size(self.vocab_size)
 
     @property
     def vocab_local(self) -> int:

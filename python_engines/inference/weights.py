@@ -2,25 +2,13 @@
 
 Why views: weight sync and checkpoint loading both speak canonical names
 (``model.layers.3.self_attn.k_proj.weight``) and global boxes, while the model holds vLLM's
-fused tensors. Each `CanonicalView` is a strided *view* of the fused parameter, so writing into
-it (``view.copy_(...)``, an awex_fast unpack) changes the real weight; there is no staging copy.
-
-Boxes per TP rank ``r`` (sizes from `python_engines.inference.tp.TPShapes`):
-
-============================  =====================================  =============================
-canonical name                global box                             local view
-============================  =====================================  =============================
-``q_proj.weight`` / bias      rows ``[r*q, (r+1)*q)``                ``qkv_proj[0:q]``
-``k_proj`` / ``v_proj``       rows of KV heads ``kv_head_start..``   ``qkv_proj[q:q+kv]``, ``[q+kv:]``
-``o_proj.weight``             columns ``[r*q, (r+1)*q)``             ``o_proj.weight``
-``gate_proj`` / ``up_proj``   rows ``[r*i, (r+1)*i)``                ``gate_up_proj[0:i]``, ``[i:]``
-``down_proj.weight``          columns ``[r*i, (r+1)*i)``             ``down_proj.weight``
-``embed_tokens`` / lm_head    rows ``[r*V_r, (r+1)*V_r) & [0, V)``   leading rows (padding: none)
-norms, ``o_proj.bias``        whole tensor (replicated)              the parameter
-============================  =====================================  =============================
-
-When TP exceeds the KV head count, ranks ``r`` with the same ``r // (tp // num_kv_heads)`` hold
-the same KV head: replicas of one box, as the planner expects.
+fused tensors. The table of which slice of which fused tensor holds which box is
+`awex_fast.layouts.fused.FusedLayout` (vLLM's rules; its docstring has the table); the model's
+parameters carry vLLM's names, so ``FusedLayout.views(dict(model.named_parameters()))`` gives the
+canonical views, and the same layout gives the awex_fast metadata. Each view is a strided *view*
+of the fused parameter: writing into it (``view.copy_(...)``, an awex_fast unpack) changes the
+real weight, with no staging copy. Building the views checks every parameter's shape against the
+layout, so the model and the layout cannot drift apart silently.
 """
 
 from __future__ import annotations
@@ -34,10 +22,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from awex_fast.meta import ParameterMeta, ShardMeta
+from awex_fast.layouts.fused import FusedLayout
+from awex_fast.meta import ParameterMeta
 from python_engines.inference.model import Transformer
 
-__all__ = ["CanonicalView", "canonical_views", "init_random_weights", "load_hf_weights", "weight_metas"]
+__all__ = ["CanonicalView", "canonical_views", "fused_layout", "init_random_weights", "load_hf_weights",
+           "view_dict", "weight_metas"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -57,70 +47,38 @@ class CanonicalView:
         return tuple(slice(o, o + n) for o, n in zip(self.global_offset, self.view.shape, strict=True))
 
 
+def fused_layout(model: Transformer) -> FusedLayout:
+    """The `FusedLayout` of the model's TP rank (built once per model)."""
+    layout = getattr(model, "_fused_layout", None)
+    if layout is None:
+        tp = model.shapes.tp
+        layout = FusedLayout(model.args.hf_config, tp.size, tp.rank)
+        model._fused_layout = layout
+    return layout
+
+
+def view_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Canonical name -> view into the model's fused parameters (a rank holding only vocabulary
+    padding gets an empty view of the embedding)."""
+    return fused_layout(model).views(dict(model.named_parameters()))
+
+
 def canonical_views(model: Transformer) -> list[CanonicalView]:
     """Every canonical piece this rank holds, in checkpoint order (embedding, layers, norm, head)."""
-    a, s = model.args, model.shapes
-    r, hd, H = s.tp.rank, a.head_dim, a.hidden_size
-    q, kv, inter = s.q_size, s.kv_size, s.intermediate_local
-    q_full, kv_full = a.num_heads * hd, a.num_kv_heads * hd
-    kv0 = s.kv_head_start * hd
-    out: list[CanonicalView] = []
-
-    def vocab_rows(name: str, weight: torch.Tensor) -> None:
-        rows = max(0, min(a.vocab_size - s.vocab_start, s.vocab_local))
-        if rows:
-            out.append(CanonicalView(name, (a.vocab_size, H), (s.vocab_start, 0), weight[:rows]))
-
-    vocab_rows("model.embed_tokens.weight", model.model.embed_tokens.weight)
-    for i, layer in enumerate(model.model.layers):
-        p = f"model.layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        w = attn.qkv_proj.weight
-        out += [
-            CanonicalView(f"{p}.input_layernorm.weight", (H,), (0,), layer.input_layernorm.weight),
-            CanonicalView(f"{p}.self_attn.q_proj.weight", (q_full, H), (r * q, 0), w[:q]),
-            CanonicalView(f"{p}.self_attn.k_proj.weight", (kv_full, H), (kv0, 0), w[q : q + kv]),
-            CanonicalView(f"{p}.self_attn.v_proj.weight", (kv_full, H), (kv0, 0), w[q + kv :]),
-        ]
-        if a.qkv_bias:
-            b = attn.qkv_proj.bias
-            out += [
-                CanonicalView(f"{p}.self_attn.q_proj.bias", (q_full,), (r * q,), b[:q]),
-                CanonicalView(f"{p}.self_attn.k_proj.bias", (kv_full,), (kv0,), b[q : q + kv]),
-                CanonicalView(f"{p}.self_attn.v_proj.bias", (kv_full,), (kv0,), b[q + kv :]),
-            ]
-        out.append(CanonicalView(f"{p}.self_attn.o_proj.weight", (H, q_full), (0, r * q), attn.o_proj.weight))
-        if a.o_bias:
-            out.append(CanonicalView(f"{p}.self_attn.o_proj.bias", (H,), (0,), attn.o_proj.bias))
-        if a.qk_norm:
-            out += [
-                CanonicalView(f"{p}.self_attn.q_norm.weight", (hd,), (0,), attn.q_norm.weight),
-                CanonicalView(f"{p}.self_attn.k_norm.weight", (hd,), (0,), attn.k_norm.weight),
-            ]
-        gu = mlp.gate_up_proj.weight
-        full_i = a.intermediate_size
-        out += [
-            CanonicalView(
-                f"{p}.post_attention_layernorm.weight", (H,), (0,), layer.post_attention_layernorm.weight
-            ),
-            CanonicalView(f"{p}.mlp.gate_proj.weight", (full_i, H), (r * inter, 0), gu[:inter]),
-            CanonicalView(f"{p}.mlp.up_proj.weight", (full_i, H), (r * inter, 0), gu[inter:]),
-            CanonicalView(f"{p}.mlp.down_proj.weight", (H, full_i), (0, r * inter), mlp.down_proj.weight),
-        ]
-    out.append(CanonicalView("model.norm.weight", (H,), (0,), model.model.norm.weight))
-    if not a.tie_word_embeddings:
-        vocab_rows("lm_head.weight", model.lm_head.weight)
+    layout = fused_layout(model)
+    views = view_dict(model)
+    out = []
+    for slot in layout.slots:
+        view = views[slot.name]
+        for offset, shape, local in slot.boxes:
+            piece = view[tuple(slice(lo, lo + n) for lo, n in zip(local, shape, strict=True))]
+            out.append(CanonicalView(slot.name, slot.global_shape, tuple(offset), piece))
     return out
 
 
 def weight_metas(model: Transformer, rank: int | None = None) -> list[ParameterMeta]:
     """awex_fast metadata of this rank's pieces (``rank`` default: the TP rank)."""
-    rank = model.shapes.tp.rank if rank is None else rank
-    dtype = str(model.model.norm.weight.dtype).removeprefix("torch.")
-    return [
-        ParameterMeta(v.name, v.global_shape, dtype, [ShardMeta(rank, v.global_offset, tuple(v.view.shape))])
-        for v in canonical_views(model)
-    ]
+    return fused_layout(model).metas(model.model.norm.weight.dtype, rank)
 
 
 def _checkpoint_files(path: Path) -> dict[str, Path]:

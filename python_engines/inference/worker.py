@@ -4,7 +4,8 @@ Why an op protocol: every TP rank must run the same forward pass and the same we
 at the same step boundary, but only rank 0 serves HTTP and schedules. So rank 0 decides, and
 *broadcasts* each op over a private gloo control group before running it itself; ranks 1..N-1
 loop on `Worker.follow`, receive ops and run them. Control is JSON (length, then UTF-8 bytes, as
-uint8 tensors); a forward pass's inputs travel as one int64 tensor. Nothing is pickled.
+uint8 tensors, see `Worker.broadcast_op`); a forward pass's inputs travel as int64 bytes in
+the same frame. Nothing is pickled.
 
 Ops (``header["op"]``):
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import struct
 import traceback
 from typing import Any
 
@@ -38,9 +40,9 @@ from python_engines.inference.kv_cache import KVCache
 from python_engines.inference.model import ModelArgs, Transformer
 from python_engines.inference.tp import TPContext
 from python_engines.inference.weights import (
-    canonical_views,
     init_random_weights,
     load_hf_weights,
+    view_dict,
     weight_metas,
 )
 
@@ -50,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+#: Bytes of the first (fixed-size) broadcast of every op.
+_FRAME = 4096
 
 #: Adapter methods the ``adapter`` op may call (the mutating half of the awex protocol).
 _ADAPTER_METHODS = ("init_weight_update_group", "execute_weight_update", "batch_isend_irecv",
@@ -100,7 +105,7 @@ class Worker:
 
         backend = config.get("transfer_backend") or ("nccl" if config["backend"] == "nccl" else "gloo")
         return InferenceAdapter(
-            lambda: {v.name: v.view for v in canonical_views(self.model)},
+            lambda: view_dict(self.model),
             metas=lambda: weight_metas(self.model), rank=self.rank, engine_size=self.tp_size,
             backend=backend, timeout_s=float(config["transfer_timeout_s"]),
             bucket_bytes=int(config["bucket_bytes"]),
@@ -114,21 +119,37 @@ class Worker:
         return t
 
     def broadcast_op(self, header: dict[str, Any], data: torch.Tensor | None = None) -> None:
-        """Rank 0: announce an op (and its int64 payload) to every other rank."""
+        """Rank 0: announce an op (and its int64 payload) to every other rank.
+
+        Wire format: one `_FRAME`-byte uint8 broadcast ``[json_len, data_len (int64 each) |
+        JSON | int64 data]``; whatever does not fit follows in a second broadcast of exactly
+        the remaining bytes. A decode step of up to ~100 requests is one broadcast.
+        """
         if self.tp_size == 1:
             return
         raw = json.dumps(header).encode()
-        self._bcast(torch.tensor([len(raw), 0 if data is None else data.numel()], dtype=torch.long))
-        self._bcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        if data is not None:
-            self._bcast(data.to(torch.long).cpu().contiguous())
+        payload = b"" if data is None else data.to(torch.long).cpu().contiguous().numpy().tobytes()
+        message = struct.pack("<qq", len(raw), len(payload)) + raw + payload
+        frame = torch.zeros(_FRAME, dtype=torch.uint8)
+        head = message[:_FRAME]
+        frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._bcast(frame)
+        if len(message) > _FRAME:
+            self._bcast(torch.frombuffer(bytearray(message[_FRAME:]), dtype=torch.uint8))
 
     def receive_op(self) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """Ranks > 0: wait for rank 0's next op."""
-        sizes = self._bcast(torch.zeros(2, dtype=torch.long))
-        raw = self._bcast(torch.empty(int(sizes[0]), dtype=torch.uint8))
-        header = json.loads(bytes(raw.numpy()))
-        data = self._bcast(torch.empty(int(sizes[1]), dtype=torch.long)) if int(sizes[1]) else None
+        """Ranks > 0: wait for rank 0's next op (see `broadcast_op` for the wire format)."""
+        frame = bytes(self._bcast(torch.zeros(_FRAME, dtype=torch.uint8)).numpy())
+        json_len, data_len = struct.unpack("<qq", frame[:16])
+        total = 16 + json_len + data_len
+        message = frame[:total]
+        if total > _FRAME:
+            rest = self._bcast(torch.empty(total - _FRAME, dtype=torch.uint8))
+            message = frame + bytes(rest.numpy())
+        header = json.loads(message[16 : 16 + json_len])
+        data = None
+        if data_len:
+            data = torch.frombuffer(bytearray(message[16 + json_len :]), dtype=torch.long)
         return header, data
 
     def gather_results(self, result: dict[str, Any]) -> list[dict[str, Any]]:
