@@ -10,8 +10,9 @@ it bound, so two worlds never race for one port) and publishes the port in a fil
 temporary directory; the other ranks wait for that file and join ``torch.distributed`` through
 the store. The parent never imports torch. A worker that raises writes its traceback to a file; the parent
 then kills the rest of the world at once (they would hang in a collective) and raises
-`WorldError` with that traceback. A world that runs past ``timeout`` is killed and raises
-`WorldTimeout`. Workers run with one intra-op thread, since CI machines are small and shared.
+`WorldError` with that traceback. A world that runs past ``timeout`` first has every worker dump
+its threads' stacks (SIGUSR1, faulthandler), then is killed and raises `WorldTimeout` with those
+stacks. Workers run with one intra-op thread, since CI machines are small and shared.
 
 Usage::
 
@@ -145,6 +146,10 @@ def run_world(
                     break
                 if time.monotonic() > deadline:
                     running = [r for r, c in enumerate(codes) if c is None]
+                    for r in running:  # each worker dumps every thread's stack into its log
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(procs[r].pid, signal.SIGUSR1)
+                    time.sleep(1.0)
                     _kill(procs)
                     tails = "\n".join(f"--- rank {r} output ---\n{_tail(logs[r])}" for r in running)
                     raise WorldTimeout(
@@ -173,6 +178,9 @@ def _load_function(file: str, qualname: str) -> Callable[..., Any]:
 
 
 def _worker_main(spec_path: str) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks on timeout
     spec = json.loads(Path(spec_path).read_text())
     try:
         fn = _load_function(spec["file"], spec["qualname"])

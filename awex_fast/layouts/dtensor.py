@@ -332,7 +332,8 @@ def metas_from_dtensors(
             continue
         order = _spec_shard_order(tensor)
         frozen = None if order is None else tuple(sorted((d, tuple(m)) for d, m in order.items()))
-        key = (global_shape, tuple(mesh.shape), tuple(coordinate), placements, frozen)
+        # repr names the type and split factor: older torch makes _StridedShard == Shard.
+        key = (global_shape, tuple(mesh.shape), tuple(coordinate), tuple(map(repr, placements)), frozen)
         runs = cache.get(key)
         if runs is None:
             runs = local_runs(name, global_shape, placements, tuple(mesh.shape), coordinate, mesh, order)
