@@ -562,11 +562,14 @@ class _AdapterBase:
     def release_memory(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Free the memory of ``tags`` (default: every tag in `memory_tags`); a tag already
         released is skipped. Returns {"released": {tag: bytes or None for hooks}, "skipped",
-        "rss_before", "rss_after"} (RSS of this process, bytes) plus CUDA allocated bytes."""
+        "rss_before", "rss_after"} (RSS of this process, bytes), and with CUDA in use
+        "cuda_allocated_before" / "cuda_allocated" (torch.cuda.memory_allocated)."""
         with self._lock:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            before = torch.cuda.memory_allocated() if cuda else None
             out = self._memory.release(self.memory_tags if tags is None else tags, self._release_tensors)
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                out["cuda_allocated"] = torch.cuda.memory_allocated()
+            if cuda:
+                out["cuda_allocated_before"], out["cuda_allocated"] = before, torch.cuda.memory_allocated()
             return out
 
     def resume_memory(self, tags: list[str] | None = None) -> dict[str, Any]:
@@ -585,6 +588,7 @@ class _AdapterBase:
             yield
             return
         self._store.resume("weights")
+        self._after_resume("weights")
         try:
             yield
         finally:
@@ -706,6 +710,14 @@ class TrainingAdapter(_AdapterBase):
 
     def _extra_tags(self) -> list[str]:
         return ["optimizer"] if self.optimizer is not None else []
+
+    def _after_resume(self, tag: str) -> None:
+        # Reallocated storage may come back at the old address yet be other memory (a CUDA IPC
+        # importer would still read the old allocation): publish the handles anew. Shared
+        # segments are restored in place, so their handles stay valid.
+        local = self.get_local_shard_parameters().values() if self._sender is not None else ()
+        if tag == "weights" and any(find_segment(t) is None for t in local):
+            self._sender.forget()
 
     def _release_tensors(self, tag: str) -> tuple[list[torch.Tensor], bool]:
         if tag == "weights":

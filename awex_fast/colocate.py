@@ -272,8 +272,8 @@ def _open_cuda(handle: Mapping[str, Any], device: int) -> _CudaMapping:
 
 
 def _signature(tensors: Mapping[str, torch.Tensor]) -> tuple:
-    return tuple((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for n,
-                 t in sorted(tensors.items()))
+    return tuple((n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+                 for n, t in sorted(tensors.items()))
 
 
 def build_handles(tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, Any]:
@@ -288,6 +288,10 @@ def build_handles(tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, A
     index: dict[Any, int] = {}
     entries: dict[str, dict[str, Any]] = {}
     for name, t in sorted(tensors.items()):
+        if t.numel() == 0:  # nothing to map: the receiver makes an empty tensor
+            entries[name] = {"segment": -1, "offset": 0, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                             "stride": list(t.stride())}
+            continue
         if device == "cpu":
             found = find_segment(t)
             if found is None:
@@ -320,13 +324,17 @@ def build_handles(tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, A
     return {"device": device, "segments": segments, "tensors": entries}
 
 
-def _tensor_at(buf: torch.Tensor, entry: Mapping[str, Any], what: str) -> torch.Tensor:
+def _tensor_at(bufs: Sequence[torch.Tensor], entry: Mapping[str, Any], what: str,
+               device: torch.device) -> torch.Tensor:
     dtype = getattr(torch, entry["dtype"], None)
     if not isinstance(dtype, torch.dtype):
         raise ColocateError(f"{what}: unknown dtype {entry['dtype']!r}")
     shape, stride, offset = list(entry["shape"]), list(entry["stride"]), int(entry["offset"])
-    if 0 in shape:
-        return torch.empty(shape, dtype=dtype, device=buf.device)
+    if 0 in shape or entry["segment"] < 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not 0 <= entry["segment"] < len(bufs):
+        raise ColocateError(f"{what}: segment {entry['segment']} of {len(bufs)} published")
+    buf = bufs[entry["segment"]]
     span = (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))) * dtype.itemsize
     if offset < 0 or offset + span > buf.numel():
         raise ColocateError(f"{what}: {span} bytes at offset {offset} exceed the {buf.numel()}-byte segment")
@@ -476,7 +484,8 @@ class ColocateReceiver:
                 if device.type != "cuda":
                     raise ColocateError(f"inference rank {self.rank}: CUDA handles from training rank {peer} "
                                         f"but the local weights are on {device}")
-                m = _open_cuda(handle, _device_index(torch.empty(0, device=device)))
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                m = _open_cuda(handle, index)
                 bufs.append(m.tensor)
                 maps.append(m)
             else:
@@ -484,8 +493,8 @@ class ColocateReceiver:
                     f"training rank {peer} published an unknown handle kind {handle['kind']!r}"
                 )
             self.maps_opened += 1
-        tensors = {name: _tensor_at(bufs[e["segment"]], e, f"training rank {peer} tensor {name!r}") for name,
-                   e in full["tensors"].items()}
+        tensors = {name: _tensor_at(bufs, e, f"training rank {peer} tensor {name!r}", device)
+                   for name, e in full["tensors"].items()}
         view = self._peers[peer] = _PeerView(int(value["epoch"]), tensors, maps)
         return view
 
@@ -516,8 +525,8 @@ class ColocateReceiver:
         t2 = time.perf_counter()
         for peer in self.peers:
             self.kv.add_to_set(self.pair, done_key(peer, version), str(self.rank))
-        nbytes = (program.nbytes if program is not None else 0) + sum(d.numel() * d.element_size() for _,
-                  d in peer_pairs)
+        nbytes = (program.nbytes if program is not None else 0) + sum(
+            d.numel() * d.element_size() for _, d in peer_pairs)
         return {"seconds": time.perf_counter() - t0, "copy_seconds": t2 - t1, "bytes": nbytes,
                 "maps_opened": self.maps_opened}
 

@@ -352,8 +352,8 @@ class WeightSyncPair:
         """Call ``route`` on every worker at once; (results in worker order, error strings)."""
         workers = self._workers()
         timeout = self.timeout_s if timeout is None else timeout
-        calls = [w.call(route, args_of(rank, local) if callable(args_of) else args_of, timeout) for _, rank,
-                 local, w in workers]
+        calls = [w.call(route, args_of(rank, local) if callable(args_of) else args_of, timeout)
+                 for _, rank, local, w in workers]
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = []
         for (label, *_), res in zip(workers, results, strict=True):
@@ -421,9 +421,10 @@ class WeightSyncPair:
                         "num_engines": len(self.engines), "master_port": self._port(),
                         "admin_api_key": self.admin_api_key or "", "timeout_s": self.timeout_s}
 
-            _, errors = await self._gather("init_colocate_weight_update", colocate_args)
+            inits, errors = await self._gather("init_colocate_weight_update", colocate_args)
             if errors:
                 raise PairError("init_colocate_weight_update failed: " + "; ".join(errors))
+            info["init"] = {label: r for (label, *_), r in zip(self._workers(), inits, strict=True)}
         else:
 
             def init_args(rank: int, _local: int) -> dict[str, Any]:
@@ -436,15 +437,15 @@ class WeightSyncPair:
             if errors:
                 raise PairError("init_weight_update_group failed: " + "; ".join(errors))
             kv = await self._kv_now()
-            digests = {rank: await kv.get(self.pair_name, digest_key(rank)) for _, rank, _,
-                       _ in self._workers()}
+            digests = {rank: await kv.get(self.pair_name, digest_key(rank))
+                       for _, rank, _, _ in self._workers()}
             if len(set(digests.values())) != 1:
                 raise PairError(
                     f"transfer ranks planned from different metadata or settings: digests {digests}"
                 )
             info["digest"] = digests[0]
-            info["peers"] = {label: r.get("peers") for (label, *_),
-                 r in zip(self._workers(), inits, strict=True)}
+            info["init"] = {label: r for (label, *_), r in zip(self._workers(), inits, strict=True)}
+            info["peers"] = {label: r.get("peers") for label, r in info["init"].items()}
             if self.warmup:
                 _, errors = await self._gather("batch_isend_irecv", {"timeout_s": self.timeout_s})
                 if errors:
@@ -461,8 +462,9 @@ class WeightSyncPair:
     # --- public API -----------------------------------------------------------------------------
 
     def connect(self) -> dict[str, Any]:
-        """Form the pair (module docstring); returns {"parallelism", "digest", "peers",
-        "transfer_ranks", "seconds"}. Raises `PairError` naming every failing worker."""
+        """Form the pair (module docstring); returns {"parallelism", "init" (each worker's init
+        result), "digest", "peers", "transfer_ranks", "seconds"}. Raises `PairError` naming every
+        failing worker."""
         try:
             info = self._run(self._form())
         except PairError:

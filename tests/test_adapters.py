@@ -158,8 +158,8 @@ def test_in_process_pair_with_unequal_engines_and_inference_memory_release():
                     model[0].weight.mul_(-1.5)
                 result = pair.update_weights(version)
                 assert result["status"] == "ok", result
-                assert _landed(model, e0[0][1], 0, 1) and all(_landed(model, v, r, 2) for r,
-                               (_, v) in enumerate(e1))
+                assert _landed(model, e0[0][1], 0, 1)
+                assert all(_landed(model, v, r, 2) for r, (_, v) in enumerate(e1))
                 assert [a.version for a, _ in (*e0, *e1)] == [version] * 3
             adapter = e0[0][0]
             out = adapter.release_memory()  # every tag: the engine's kv_cache hook and its weights

@@ -93,8 +93,8 @@ class ColocatedTrainer(TrainingAdapter):
 
     def resume_memory(self, tags=None):
         out = super().resume_memory(tags)
-        out["bit_identical"] = all(torch.equal(p, oracle(n, self.version)) for n,
-            p in self.source.named_parameters())
+        params = self.source.named_parameters()
+        out["bit_identical"] = all(torch.equal(p, oracle(n, self.version)) for n, p in params)
         return out
 
 

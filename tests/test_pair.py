@@ -388,3 +388,14 @@ def test_killed_training_worker_is_reported_and_a_replacement_reforms_the_group(
         pool.shutdown(wait=True)
         kv.close()
         server.stop()
+
+
+def test_gateway_cli_refuses_bad_arguments(monkeypatch, capsys):
+    from awex_fast.pair import gateway_main
+
+    monkeypatch.delenv("AWEX_FAST_ADMIN_KEY", raising=False)
+    assert gateway_main([]) == 2 and "no admin key" in capsys.readouterr().err
+    assert gateway_main(["--admin-key", "k", "--port", "70000"]) == 2
+    with KVStoreServer(admin_api_key=KEY) as kv:  # a port already taken
+        assert gateway_main(["--admin-key", "k", "--port", str(kv.port)]) == 1
+        assert "cannot listen" in capsys.readouterr().err

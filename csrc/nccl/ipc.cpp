@@ -25,6 +25,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -64,19 +65,39 @@ GetAddressRange address_range_fn() {
   return fn;
 }
 
+// Restores the caller's current device: these helpers run on threads that also run torch.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    AWEX_IPC_CUDA_CHECK(cudaGetDevice(&previous_), "(current device)");
+    AWEX_IPC_CUDA_CHECK(cudaSetDevice(device), "(device ", device, ")");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 std::string uuid_of(int device) {
+  static std::mutex mutex;
+  static std::map<int, std::string> cache;  // cudaGetDeviceProperties takes milliseconds
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
   cudaDeviceProp prop;
   AWEX_IPC_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), "(device ", device, ")");
   char out[33];
   for (int i = 0; i < 16; ++i)
     std::snprintf(out + 2 * i, 3, "%02x", static_cast<unsigned char>(prop.uuid.bytes[i]));
-  return std::string(out, 32);
+  return cache[device] = std::string(out, 32);
 }
 
 // {"handle": 64 bytes, "base", "size" (the allocation), "offset" (ptr - base), "uuid" (GPU)}
 py::dict export_handle(uintptr_t ptr, int device) {
   AWEX_CHECK_ARG(ptr != 0, "export_handle: null device pointer");
-  AWEX_IPC_CUDA_CHECK(cudaSetDevice(device), "(device ", device, ")");
+  DeviceGuard guard(device);
   CUdeviceptr base = 0;
   size_t size = 0;
   const CUresult r = address_range_fn()(&base, &size, static_cast<CUdeviceptr>(ptr));
@@ -103,7 +124,7 @@ uintptr_t open_handle(const std::string& handle_bytes, int device) {
   void* ptr = nullptr;
   {
     py::gil_scoped_release release;  // opening maps memory and may take milliseconds
-    AWEX_IPC_CUDA_CHECK(cudaSetDevice(device), "(device ", device, ")");
+    DeviceGuard guard(device);
     AWEX_IPC_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess), "(device ", device,
                         "; is the exporter on this node and alive?)");
   }
@@ -111,7 +132,7 @@ uintptr_t open_handle(const std::string& handle_bytes, int device) {
 }
 
 void close_handle(uintptr_t ptr, int device) {
-  AWEX_IPC_CUDA_CHECK(cudaSetDevice(device), "(device ", device, ")");
+  DeviceGuard guard(device);
   AWEX_IPC_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "(pointer ", ptr, ")");
 }
 
