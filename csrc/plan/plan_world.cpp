@@ -1,0 +1,517 @@
+// Ingestion, canonicalisation and validation of both sides' metadata, and the digest.
+//
+// Canonical form (what the digest hashes and what every rank plans from): parameters sorted by
+// name (rows with the same name on one side are merged), explicit pieces of each parameter side
+// sorted by (global offset, shape, rank, local offset) with empty pieces dropped, rule uses
+// sorted by their rule's fields and rank list. The same metadata in any order therefore gives
+// the same plan. Distinct rules (RuleDef) are validated and fingerprinted once; a parameter's use
+// of one (RuleRef) is 24 bytes, so 70k parameters sharing a layout cost little.
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include "plan/hash.h"
+#include "plan/plan.h"
+
+namespace awex::plan {
+namespace {
+
+const char* side_name(int s) { return s == kTrain ? "training" : "inference"; }
+
+std::string tuple_str(const int64_t* v, int n) {
+  std::ostringstream out;
+  out << "(";
+  for (int i = 0; i < n; ++i) out << (i ? ", " : "") << v[i];
+  out << (n == 1 ? ",)" : ")");
+  return out.str();
+}
+
+std::vector<int64_t> prefix(const std::vector<int64_t>& n) {
+  std::vector<int64_t> out(n.size() + 1, 0);
+  for (size_t i = 0; i < n.size(); ++i) {
+    if (n[i] < 0) throw PlanError("negative length in the encoded metadata");
+    out[i + 1] = out[i] + n[i];
+  }
+  return out;
+}
+
+void expect_size(const std::vector<int64_t>& s, int64_t n, const char* what) {
+  if (static_cast<int64_t>(s.size()) != n) {
+    throw PlanError(std::string("encoded metadata: array '") + what + "' has " +
+                    std::to_string(s.size()) + " entries, expected " + std::to_string(n));
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Non-empty chunks of torch.chunk(size, n) and their step.
+void chunking(int64_t size, int64_t n, int64_t& step, int64_t& nonempty) {
+  step = size ? ceil_div(size, n) : 0;
+  nonempty = step ? ceil_div(size, step) : 0;
+}
+
+}  // namespace
+
+World::World(const SideInput& train, const SideInput& infer, int64_t bucket_bytes,
+             int64_t min_part_bytes)
+    : bucket_bytes_(bucket_bytes), min_part_bytes_(min_part_bytes) {
+  if (bucket_bytes <= 0) {
+    throw PlanError("bucket_bytes must be positive, got " + std::to_string(bucket_bytes));
+  }
+  if (min_part_bytes <= 0) {
+    throw PlanError("min_part_bytes must be positive, got " + std::to_string(min_part_bytes));
+  }
+  const SideInput* in[2] = {&train, &infer};
+  // Rows of each side in name order (stable: duplicates keep their input order). Both sides
+  // usually list the same names in the same order: then one sort serves both.
+  std::vector<int64_t> order[2];
+  for (int s = 0; s < 2; ++s) {
+    const auto& names = in[s]->names;
+    if (s == 1 && names == in[0]->names) {
+      order[1] = order[0];
+      break;
+    }
+    order[s].resize(names.size());
+    std::iota(order[s].begin(), order[s].end(), 0);
+    auto less = [&](int64_t a, int64_t b) { return names[a] < names[b]; };
+    if (!std::is_sorted(order[s].begin(), order[s].end(), less)) {
+      std::stable_sort(order[s].begin(), order[s].end(), less);
+    }
+  }
+  // Merge the two sorted name lists into the canonical parameter list.
+  params_.reserve(std::max(in[0]->names.size(), in[1]->names.size()) + 16);
+  std::vector<int64_t> row_param[2];
+  for (int s = 0; s < 2; ++s) row_param[s].assign(in[s]->names.size(), -1);
+  size_t i[2] = {0, 0};
+  while (i[0] < order[0].size() || i[1] < order[1].size()) {
+    std::string_view pick;
+    bool have = false;
+    for (int s = 0; s < 2; ++s) {
+      if (i[s] < order[s].size()) {
+        const std::string_view n = in[s]->names[order[s][i[s]]];
+        if (!have || n < pick) pick = n;
+        have = true;
+      }
+    }
+    const int64_t p = static_cast<int64_t>(params_.size());
+    params_.emplace_back();
+    params_.back().name.assign(pick.data(), pick.size());
+    for (int s = 0; s < 2; ++s) {
+      while (i[s] < order[s].size() && in[s]->names[order[s][i[s]]] == pick) {
+        row_param[s][order[s][i[s]]] = p;
+        ++i[s];
+      }
+    }
+  }
+  for (int s = 0; s < 2; ++s) {
+    ingest_defs(s, *in[s], row_param[s]);
+    ingest(s, *in[s], order[s], row_param[s]);
+  }
+
+  int64_t max_item = 1;
+  for (const Param& P : params_) {
+    if (P.side[kInfer].present && !P.side[kTrain].present) {
+      throw PlanError("parameter '" + P.name +
+                      "' is needed by the inference side but missing on the training side");
+    }
+    if (P.side[kInfer].present) max_item = std::max<int64_t>(max_item, P.side[kInfer].itemsize);
+  }
+  if (bucket_bytes_ < max_item) {
+    throw PlanError("bucket_bytes " + std::to_string(bucket_bytes_) +
+                    " is smaller than one element (" + std::to_string(max_item) + " bytes)");
+  }
+  check_ranks();
+  for (int64_t p = 0; p < static_cast<int64_t>(params_.size()); ++p) check_coverage(p);
+}
+
+void World::ingest_defs(int s, const SideInput& in, const std::vector<int64_t>& row_param) {
+  const int64_t T = static_cast<int64_t>(in.rule_replicas.size());
+  for (const std::vector<int64_t>* a : {&in.rule_dims_n, &in.rule_chunks_n, &in.rule_loc_n,
+                                        &in.rule_ranks_n}) {
+    expect_size(*a, T, "rule");
+  }
+  const auto dims_at = prefix(in.rule_dims_n), chunks_at = prefix(in.rule_chunks_n),
+             loc_at = prefix(in.rule_loc_n), ranks_at = prefix(in.rule_ranks_n);
+  expect_size(in.rule_dims, dims_at.back(), "rule_dims");
+  expect_size(in.rule_chunks, chunks_at.back(), "rule_chunks");
+  expect_size(in.rule_loc, loc_at.back(), "rule_loc");
+  expect_size(in.rule_ranks, ranks_at.back(), "rule_ranks");
+  const auto rule_at = prefix(in.nrules);
+  expect_size(in.rule_ref, rule_at.back(), "rule_ref");
+  auto& pool = rank_pool_[s];
+  pool.resize(static_cast<size_t>(ranks_at.back()));
+  defs_[s].resize(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    auto fail = [&](const std::string& what) {
+      std::string who = std::string("a ") + side_name(s) + " rule";
+      for (int64_t row = 0; row + 1 < static_cast<int64_t>(rule_at.size()); ++row) {
+        for (int64_t k = rule_at[row]; k < rule_at[row + 1]; ++k) {
+          if (in.rule_ref[k] == t) {
+            throw PlanError("parameter '" + params_[row_param[row]].name + "' (" + side_name(s) +
+                            " side): rule " + std::to_string(k - rule_at[row]) + ": " + what);
+          }
+        }
+      }
+      throw PlanError(who + ": " + what);
+    };
+    RuleDef& d = defs_[s][t];
+    d.nsplit = static_cast<int32_t>(in.rule_dims_n[t]);
+    if (d.nsplit != in.rule_chunks_n[t] || d.nsplit > kMaxDims) {
+      fail("split_dims and num_chunks must have equal length <= " + std::to_string(kMaxDims));
+    }
+    d.replicas = in.rule_replicas[t];
+    if (d.replicas < 1) fail("replicas must be >= 1");
+    d.total = 1;
+    for (int a = 0; a < d.nsplit; ++a) {
+      const int64_t dim = in.rule_dims[dims_at[t] + a];
+      const int64_t n = in.rule_chunks[chunks_at[t] + a];
+      if (dim < 0 || dim >= kMaxDims) fail("split dim " + std::to_string(dim) + " out of range");
+      for (int b = 0; b < a; ++b) {
+        if (d.dims[b] == dim) fail("split dim " + std::to_string(dim) + " repeated");
+      }
+      if (n < 1) fail("num_chunks must be >= 1");
+      if (d.total > (int64_t{1} << 40) / n) fail("too many chunks");
+      d.dims[a] = static_cast<int32_t>(dim);
+      d.chunks[a] = n;
+      d.total *= n;
+      d.max_dim = std::max<int32_t>(d.max_dim, static_cast<int32_t>(dim));
+    }
+    d.nranks = in.rule_ranks_n[t];
+    if (d.replicas > (int64_t{1} << 40) / d.total || d.nranks != d.total * d.replicas) {
+      fail("lists " + std::to_string(d.nranks) + " ranks, expected num_chunks product x " +
+           "replicas = " + std::to_string(d.total) + " x " + std::to_string(d.replicas));
+    }
+    d.nloc = static_cast<int32_t>(in.rule_loc_n[t]);
+    if (d.nloc > kMaxDims) fail("local_offset too long");
+    for (int k = 0; k < d.nloc; ++k) {
+      d.loc[k] = in.rule_loc[loc_at[t] + k];
+      if (d.loc[k] < 0) fail("negative local_offset");
+    }
+    d.ranks_begin = ranks_at[t];
+    d.min_rank = INT64_MAX;
+    Hash128 h;
+    h.add(d.nsplit);
+    for (int a = 0; a < d.nsplit; ++a) {
+      h.add(d.dims[a]);
+      h.add_signed(d.chunks[a]);
+    }
+    h.add_signed(d.replicas);
+    h.add(d.nloc);
+    for (int k = 0; k < d.nloc; ++k) h.add_signed(d.loc[k]);
+    h.add_signed(d.nranks);
+    for (int64_t k = 0; k < d.nranks; ++k) {
+      const int64_t r = in.rule_ranks[d.ranks_begin + k];
+      if (r < 0 || r > INT32_MAX) fail("rank " + std::to_string(r) + " is outside [0, 2^31)");
+      pool[d.ranks_begin + k] = static_cast<int32_t>(r);
+      d.min_rank = std::min(d.min_rank, r);
+      d.max_rank = std::max(d.max_rank, r);
+      h.add(static_cast<uint64_t>(r));
+    }
+    d.fp[0] = h.lane_a();
+    d.fp[1] = h.lane_b();
+  }
+}
+
+void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order,
+                   const std::vector<int64_t>& row_param) {
+  const int64_t P = static_cast<int64_t>(in.names.size());
+  expect_size(in.ndim, P, "ndim");
+  expect_size(in.dtype, P, "dtype");
+  expect_size(in.itemsize, P, "itemsize");
+  expect_size(in.npieces, P, "npieces");
+  expect_size(in.nrules, P, "nrules");
+  const auto shape_at = prefix(in.ndim);
+  expect_size(in.shape, shape_at.back(), "shape");
+  const auto piece_at = prefix(in.npieces);
+  const int64_t N = piece_at.back();
+  for (const std::vector<int64_t>* a : {&in.piece_rank, &in.piece_off_n, &in.piece_len_n,
+                                        &in.piece_loc_n}) {
+    expect_size(*a, N, "piece");
+  }
+  const auto off_at = prefix(in.piece_off_n), len_at = prefix(in.piece_len_n),
+             ploc_at = prefix(in.piece_loc_n);
+  expect_size(in.piece_off, off_at.back(), "piece_off");
+  expect_size(in.piece_len, len_at.back(), "piece_len");
+  expect_size(in.piece_loc, ploc_at.back(), "piece_loc");
+  const auto rule_at = prefix(in.nrules);
+  const int64_t T = static_cast<int64_t>(defs_[s].size());
+  rules_[s].reserve(rules_[s].size() + static_cast<size_t>(rule_at.back()));
+  pieces_[s].reserve(pieces_[s].size() + static_cast<size_t>(N + off_at.back() + len_at.back() +
+                                                             ploc_at.back()));
+  const auto& defs = defs_[s];
+  const auto& pool = rank_pool_[s];
+
+  std::vector<int64_t> recs;  // explicit piece records of the parameter being ingested
+  std::vector<int64_t> rec_order;
+  size_t k = 0;
+  while (k < order.size()) {
+    const int64_t p = row_param[order[k]];
+    Param& Pm = params_[p];
+    SideParam& sp = Pm.side[s];
+    const int64_t row0 = order[k];
+    const int64_t nd = in.ndim[row0];
+    auto fail = [&](const std::string& what) {
+      throw PlanError("parameter '" + Pm.name + "' (" + side_name(s) + " side): " + what);
+    };
+    if (nd < 0 || nd > kMaxDims) {
+      fail("ndim " + std::to_string(nd) + " is outside [0, " + std::to_string(kMaxDims) + "]");
+    }
+    const int64_t* shape = in.shape.data() + shape_at[row0];
+    for (int d = 0; d < nd; ++d) {
+      if (shape[d] < 0) fail("negative global shape " + tuple_str(shape, nd));
+    }
+    if (s == kTrain || !Pm.side[kTrain].present) {
+      Pm.ndim = static_cast<int32_t>(nd);
+      std::copy(shape, shape + nd, Pm.shape);
+    } else if (Pm.ndim != nd || !std::equal(shape, shape + nd, Pm.shape)) {
+      fail("global shape " + tuple_str(shape, nd) + " does not match the training side's " +
+           tuple_str(Pm.shape, Pm.ndim));
+    }
+    sp.present = true;
+    sp.dtype = static_cast<int32_t>(in.dtype[row0]);
+    sp.itemsize = static_cast<int32_t>(in.itemsize[row0]);
+    if (sp.itemsize <= 0) fail("itemsize must be positive");
+    const int stride = 1 + 3 * static_cast<int>(nd);
+    recs.clear();
+    sp.rule_begin = static_cast<int64_t>(rules_[s].size());
+    sp.min_rank = INT64_MAX;
+    sp.max_rank = -1;
+    for (; k < order.size() && row_param[order[k]] == p; ++k) {
+      const int64_t row = order[k];
+      if (in.ndim[row] != nd || !std::equal(shape, shape + nd, in.shape.data() + shape_at[row]) ||
+          in.dtype[row] != sp.dtype) {
+        fail("conflicting duplicate entries (global shape or dtype differ)");
+      }
+      for (int64_t i = piece_at[row]; i < piece_at[row + 1]; ++i) {
+        const int64_t rank = in.piece_rank[i];
+        const int64_t* off = in.piece_off.data() + off_at[i];
+        const int64_t* len = in.piece_len.data() + len_at[i];
+        const int64_t* loc = in.piece_loc.data() + ploc_at[i];
+        const int64_t nloc = in.piece_loc_n[i];
+        auto who = [&] { return "piece of rank " + std::to_string(rank); };
+        if (in.piece_off_n[i] != nd || in.piece_len_n[i] != nd || (nloc != 0 && nloc != nd)) {
+          fail(who() + " has offsets/shape/local offset of the wrong length for ndim " +
+               std::to_string(nd));
+        }
+        if (rank < 0 || rank > INT32_MAX) fail(who() + ": ranks must be in [0, 2^31)");
+        bool empty = false;
+        for (int d = 0; d < nd; ++d) {
+          if (off[d] < 0 || len[d] < 0 || off[d] + len[d] > shape[d] || (nloc && loc[d] < 0)) {
+            fail(who() + " at offset " + tuple_str(off, nd) + " shape " + tuple_str(len, nd) +
+                 (nloc ? " local offset " + tuple_str(loc, nd) : "") +
+                 " lies outside the global shape " + tuple_str(shape, nd) +
+                 " (or has a negative local offset)");
+          }
+          empty |= len[d] == 0;
+        }
+        if (empty) continue;
+        recs.push_back(rank);
+        recs.insert(recs.end(), off, off + nd);
+        recs.insert(recs.end(), len, len + nd);
+        for (int d = 0; d < nd; ++d) recs.push_back(nloc ? loc[d] : 0);
+      }
+      for (int64_t i = rule_at[row]; i < rule_at[row + 1]; ++i) {
+        const int64_t t = in.rule_ref[i];
+        if (t < 0 || t >= T) fail("bad rule reference");
+        const RuleDef& d = defs[t];
+        if (d.max_dim >= nd || (d.nloc != 0 && d.nloc != nd)) {
+          fail("rule " + std::to_string(i - rule_at[row]) + " splits dim " +
+               std::to_string(d.max_dim) + " or has a local_offset of length " +
+               std::to_string(d.nloc) + ", but the parameter has " + std::to_string(nd) +
+               " dims");
+        }
+        RuleRef ref;
+        ref.def = t;
+        ref.cells = 1;
+        for (int a = 0; a < d.nsplit; ++a) {
+          int64_t step, nonempty;
+          chunking(shape[d.dims[a]], d.chunks[a], step, nonempty);
+          ref.cells *= nonempty;
+        }
+        for (int dd = 0; dd < nd; ++dd) {
+          if (shape[dd] == 0) ref.cells = 0;
+        }
+        rules_[s].push_back(ref);
+      }
+    }
+    // Canonical order of explicit pieces: (offset, shape, rank, local offset).
+    const int64_t npc = static_cast<int64_t>(recs.size()) / stride;
+    rec_order.resize(npc);
+    std::iota(rec_order.begin(), rec_order.end(), 0);
+    auto rec_less = [&](int64_t a, int64_t b) {
+      const int64_t* x = &recs[a * stride];
+      const int64_t* y = &recs[b * stride];
+      for (int j = 1; j < 1 + 2 * nd; ++j) {
+        if (x[j] != y[j]) return x[j] < y[j];
+      }
+      if (x[0] != y[0]) return x[0] < y[0];
+      for (int j = 1 + 2 * static_cast<int>(nd); j < stride; ++j) {
+        if (x[j] != y[j]) return x[j] < y[j];
+      }
+      return false;
+    };
+    if (!std::is_sorted(rec_order.begin(), rec_order.end(), rec_less)) {
+      std::sort(rec_order.begin(), rec_order.end(), rec_less);
+    }
+    sp.piece_begin = static_cast<int64_t>(pieces_[s].size());
+    sp.piece_count = npc;
+    for (int64_t j : rec_order) {
+      const int64_t* x = &recs[j * stride];
+      pieces_[s].insert(pieces_[s].end(), x, x + stride);
+      sp.min_rank = std::min(sp.min_rank, x[0]);
+      sp.max_rank = std::max(sp.max_rank, x[0]);
+    }
+    // Canonical order of rule uses: the rule's fields, then its rank list.
+    sp.rule_count = static_cast<int64_t>(rules_[s].size()) - sp.rule_begin;
+    auto def_less = [&](const RuleRef& ra, const RuleRef& rb) {
+      if (ra.def == rb.def) return false;
+      const RuleDef& a = defs[ra.def];
+      const RuleDef& b = defs[rb.def];
+      if (a.nsplit != b.nsplit) return a.nsplit < b.nsplit;
+      for (int j = 0; j < a.nsplit; ++j) {
+        if (a.dims[j] != b.dims[j]) return a.dims[j] < b.dims[j];
+        if (a.chunks[j] != b.chunks[j]) return a.chunks[j] < b.chunks[j];
+      }
+      if (a.replicas != b.replicas) return a.replicas < b.replicas;
+      if (a.nloc != b.nloc) return a.nloc < b.nloc;
+      for (int j = 0; j < a.nloc; ++j) {
+        if (a.loc[j] != b.loc[j]) return a.loc[j] < b.loc[j];
+      }
+      const int32_t* x = &pool[a.ranks_begin];
+      const int32_t* y = &pool[b.ranks_begin];
+      return std::lexicographical_compare(x, x + a.nranks, y, y + b.nranks);
+    };
+    auto first = rules_[s].begin() + sp.rule_begin;
+    if (sp.rule_count > 1) std::stable_sort(first, rules_[s].end(), def_less);
+    int64_t base = npc;
+    for (auto it = first; it != rules_[s].end(); ++it) {
+      it->piece_base = base;
+      const RuleDef& d = defs[it->def];
+      base += it->cells * d.replicas;
+      if (it->cells > 0) {
+        sp.min_rank = std::min(sp.min_rank, d.min_rank);
+        sp.max_rank = std::max(sp.max_rank, d.max_rank);
+      }
+    }
+    sp.expanded = base;
+    if (sp.max_rank < 0) sp.min_rank = 0;
+    max_ndim_ = std::max<int32_t>(max_ndim_, static_cast<int32_t>(nd));
+  }
+}
+
+Rule World::rule(int s, const Param& P, int64_t i) const {
+  const RuleRef& ref = rules_[s][i];
+  const RuleDef& d = defs_[s][ref.def];
+  Rule r;
+  r.nsplit = d.nsplit;
+  for (int a = 0; a < d.nsplit; ++a) {
+    r.dims[a] = d.dims[a];
+    r.chunks[a] = d.chunks[a];
+    chunking(P.shape[d.dims[a]], d.chunks[a], r.step[a], r.nonempty[a]);
+  }
+  r.total = d.total;
+  r.cells = ref.cells;
+  r.replicas = d.replicas;
+  r.table = ref.def;
+  r.ranks_begin = d.ranks_begin;
+  r.has_loc = d.nloc != 0;
+  r.loc = d.loc;
+  r.piece_base = ref.piece_base;
+  return r;
+}
+
+bool World::holds(int s, const Param& P, int64_t rank) const {
+  const SideParam& sp = P.side[s];
+  if (!sp.present || rank < sp.min_rank || rank > sp.max_rank) return false;
+  for (int64_t i = 0; i < sp.piece_count; ++i) {
+    if (pieces_[s][sp.piece_begin + i * (1 + 3 * P.ndim)] == rank) return true;
+  }
+  for (int64_t i = 0; i < sp.rule_count; ++i) {
+    const RuleRef& ref = rules_[s][sp.rule_begin + i];
+    const RuleDef& d = defs_[s][ref.def];
+    const int32_t* x = &rank_pool_[s][d.ranks_begin];
+    if (ref.cells > 0 && std::find(x, x + d.nranks, rank) != x + d.nranks) return true;
+  }
+  return false;
+}
+
+void World::check_ranks() {
+  // Mark every rank that holds a piece on each side; a rank on both sides cannot be planned.
+  int64_t max_rank = -1;
+  for (const Param& P : params_) {
+    for (int s = 0; s < 2; ++s) max_rank = std::max(max_rank, P.side[s].max_rank);
+  }
+  std::vector<uint8_t> seen(static_cast<size_t>(max_rank + 1), 0);
+  for (int s = 0; s < 2; ++s) {
+    const uint8_t bit = static_cast<uint8_t>(1u << s);
+    std::vector<uint8_t> def_used(defs_[s].size(), 0);
+    for (const Param& P : params_) {
+      const SideParam& sp = P.side[s];
+      if (!sp.present) continue;
+      const int stride = 1 + 3 * P.ndim;
+      for (int64_t i = 0; i < sp.piece_count; ++i) seen[pieces_[s][sp.piece_begin + i * stride]] |= bit;
+      for (int64_t i = 0; i < sp.rule_count; ++i) {
+        const RuleRef& ref = rules_[s][sp.rule_begin + i];
+        if (ref.cells > 0) def_used[ref.def] = 1;
+      }
+    }
+    for (size_t t = 0; t < defs_[s].size(); ++t) {
+      if (!def_used[t]) continue;
+      const RuleDef& d = defs_[s][t];
+      for (int64_t j = 0; j < d.nranks; ++j) seen[rank_pool_[s][d.ranks_begin + j]] |= bit;
+    }
+  }
+  for (int64_t r = 0; r <= max_rank; ++r) {
+    if (seen[r] == 3) {
+      std::string where[2];
+      for (int s = 0; s < 2; ++s) {
+        for (const Param& P : params_) {
+          if (holds(s, P, r)) {
+            where[s] = P.name;
+            break;
+          }
+        }
+      }
+      throw PlanError("transfer rank " + std::to_string(r) +
+                      " appears on both sides (training, e.g. parameter '" + where[0] +
+                      "', and inference, e.g. parameter '" + where[1] +
+                      "'): inference ranks and training ranks must be disjoint");
+    }
+    for (int s = 0; s < 2; ++s) {
+      if (seen[r] & (1u << s)) side_ranks_[s].push_back(r);
+    }
+  }
+}
+
+std::string World::digest() const {
+  Hash128 h;
+  for (uint64_t w : {uint64_t{0x6E616C7078657761ULL}, static_cast<uint64_t>(kPlannerVersion),
+                     static_cast<uint64_t>(bucket_bytes_), static_cast<uint64_t>(kOpAlign),
+                     static_cast<uint64_t>(min_part_bytes_), static_cast<uint64_t>(params_.size())}) {
+    h.add(w);
+  }
+  for (const Param& P : params_) {
+    h.add_bytes(P.name);
+    h.add(P.ndim);
+    for (int d = 0; d < P.ndim; ++d) h.add_signed(P.shape[d]);
+    for (int s = 0; s < 2; ++s) {
+      const SideParam& sp = P.side[s];
+      h.add(sp.present);
+      if (!sp.present) continue;
+      h.add_signed(sp.dtype);
+      h.add_signed(sp.itemsize);
+      h.add_signed(sp.piece_count);
+      const int64_t words = sp.piece_count * (1 + 3 * P.ndim);
+      for (int64_t j = 0; j < words; ++j) h.add_signed(pieces_[s][sp.piece_begin + j]);
+      h.add_signed(sp.rule_count);
+      for (int64_t i = 0; i < sp.rule_count; ++i) {
+        const RuleDef& d = defs_[s][rules_[s][sp.rule_begin + i].def];
+        h.add(d.fp[0]);
+        h.add(d.fp[1]);
+      }
+    }
+  }
+  return h.hex();
+}
+
+}  // namespace awex::plan
