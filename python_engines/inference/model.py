@@ -294,9 +294,10 @@ class StepContext:
 class Transformer(nn.Module):
     """The whole decoder of one TP rank. ``forward`` returns full-vocabulary logits."""
 
-    def __init__(self, args: ModelArgs, tp: TPContext, max_seq_len: int) -> None:
-        """Allocate this rank's parameters (uninitialised; load or `init_random` them) and RoPE
-        tables for positions ``< max_seq_len``."""
+    def __init__(self, args: ModelArgs, tp: TPContext, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Allocate this rank's parameters in ``dtype`` (uninitialised; load them or use
+        `init_random_weights`) and float32 RoPE tables for positions ``< max_seq_len``."""
         super().__init__()
         self.args = args
         self.shapes = TPShapes(
@@ -310,6 +311,7 @@ class Transformer(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = nn.Parameter(torch.zeros(self.shapes.vocab_local, args.hidden_size))
+        self.to(dtype)
         cos, sin = rope_cos_sin(args, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

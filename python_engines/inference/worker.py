@@ -84,9 +84,7 @@ class Worker:
         self.tp = TPContext(self.rank, self.tp_size, None)
         max_len = int(config["max_seq_len"])
         with torch.device(self.device):
-            self.model = Transformer(self.args, self.tp, max_len).to(self.dtype)
-        self.model.rope_cos = self.model.rope_cos.float()
-        self.model.rope_sin = self.model.rope_sin.float()
+            self.model = Transformer(self.args, self.tp, max_len, self.dtype)
         self.model.eval()
         if config.get("model_path"):
             load_hf_weights(self.model, config["model_path"])
