@@ -416,10 +416,13 @@ class WeightSyncPair:
         if self.colocate:
 
             def colocate_args(rank: int, _local: int) -> dict[str, Any]:
-                return {"pair_name": self.pair_name, "kv_store_url": self.kv_store_url, "transfer_rank": rank,
+                args = {"pair_name": self.pair_name, "kv_store_url": self.kv_store_url, "transfer_rank": rank,
                         "infer_world_size": n_inf, "train_world_size": n_train,
                         "num_engines": len(self.engines), "master_port": self._port(),
-                        "admin_api_key": self.admin_api_key or "", "timeout_s": self.timeout_s}
+                        "timeout_s": self.timeout_s}
+                if self.admin_api_key:  # else the seed default: each adapter keeps its own key
+                    args["admin_api_key"] = self.admin_api_key
+                return args
 
             inits, errors = await self._gather("init_colocate_weight_update", colocate_args)
             if errors:

@@ -250,3 +250,54 @@ def test_worker_routes_need_the_key_except_the_reports():
         status, answer = _call(srv.url, "release_memory", {"tags": ["weights"]}, key=KEY)
         assert status == 200 and answer["result"]["released"]["weights"] > 0
         assert _call(srv.url, "resume_memory", {}, key=KEY)[0] == 200
+
+
+def test_in_process_colocated_many_to_many_through_shared_tensors():
+    """Two training ranks (dim-0 chunks of w, b replicated; callables over share_tensors) and one
+    TP=2 engine splitting w by columns: every inference rank reads from both training ranks, and
+    every training rank waits for two acks."""
+    from awex_fast.colocate import share_tensors
+    from awex_fast.meta import chunk_bounds
+
+    gen = torch.Generator().manual_seed(3)
+    full = {"w": torch.randn(9, 6, generator=gen), "b": torch.randn(5, generator=gen)}
+    trainers, keep = [], []
+    for r in range(2):
+        lo, hi = chunk_bounds(9, 2, r)
+        seg, shared = share_tensors({"w": full["w"][lo:hi], "b": full["b"]})
+        keep.append(seg)
+        metas = [ParameterMeta("w", (9, 6), "float32", (ShardMeta(r, (lo, 0), (hi - lo, 6)),)),
+                 ParameterMeta("b", (5,), "float32", (ShardMeta(r, (0,), (5,)),))]
+        trainers.append((TrainingAdapter(lambda s=shared: s, metas=metas, rank=r, world_size=2,
+                                         admin_api_key=KEY), shared))
+    engines = []
+    for r in range(2):
+        views = {"w": torch.zeros(9, 3, dtype=torch.bfloat16), "b": torch.zeros(5, dtype=torch.bfloat16)}
+        metas = [ParameterMeta("w", (9, 6), "bfloat16", (ShardMeta(r, (0, 3 * r), (9, 3)),)),
+                 ParameterMeta("b", (5,), "bfloat16", (ShardMeta(r, (0,), (5,)),))]
+        engines.append((InferenceAdapter(lambda v=views: v, metas=metas, rank=r, engine_size=2,
+                                         admin_api_key=KEY), views))
+    with KVStoreServer(admin_api_key=KEY) as kv:
+        pair = WeightSyncPair("colo2", kv.url, [a for a, _ in trainers], [[a for a, _ in engines]],
+                              admin_api_key=KEY, colocate=True, timeout_s=20)
+        try:
+            info = pair.connect()
+            assert all(r["peers"] == [0, 1] for k, r in info["init"].items() if k.startswith("training"))
+            for version in (1, 2):
+                result = pair.update_weights(version)
+                assert result["status"] == "ok", result
+                for r, (_, views) in enumerate(engines):
+                    assert torch.equal(views["w"], full["w"][:, 3 * r : 3 * r + 3].to(torch.bfloat16))
+                    assert torch.equal(views["b"], full["b"].to(torch.bfloat16))
+                published = [v for k, v in result["workers"].items() if k.startswith("training")]
+                assert [p["republished"] for p in published] == [version == 1] * 2
+                with torch.no_grad():  # an optimizer step in place: same storage, same handles
+                    full["w"].mul_(-2)
+                    full["b"].add_(1)
+                    for (_, shared), r in zip(trainers, (0, 1), strict=True):
+                        lo, hi = chunk_bounds(9, 2, r)
+                        shared["w"].copy_(full["w"][lo:hi])
+                        shared["b"].copy_(full["b"])
+            pair.disconnect()
+        finally:
+            pair.close()
