@@ -263,8 +263,9 @@ class Plan:
         total/wire bytes, ops, buckets, pairs, per-rank send/recv bytes (max, mean, and
         ``per_rank_send`` / ``per_rank_recv``), ``imbalance`` (busiest sender / mean sender),
         ``imbalance_even`` (what splitting every region evenly over its replicas gives),
-        ``imbalance_bound`` (a lower bound for any choice: mean, or the most bytes one rank
-        alone holds), names only on the training side, and build / stats times."""
+        ``imbalance_bound`` (a lower bound for any replica choice: for every set S of ranks
+        holding some region, the bytes only S's ranks hold, over |S|), names only on the
+        training side, and build / stats times."""
         if self._stats is not None:
             return dict(self._stats)
         t0 = time.perf_counter()
@@ -293,7 +294,7 @@ class Plan:
             "recv_bytes_mean": r_mean,
             "imbalance": ratio(float(send.max())) if send.size else 1.0,
             "imbalance_even": ratio(float(w["even_bytes"].max())) if send.size else 1.0,
-            "imbalance_bound": ratio(max(s_mean, float(w["sole_bytes"].max()))) if send.size else 1.0,
+            "imbalance_bound": ratio(max(s_mean, float(w["bound_bytes"]))) if send.size else 1.0,
             "per_rank_send": dict(zip(w["senders"].tolist(), send.tolist(), strict=True)),
             "per_rank_recv": dict(zip(w["receivers"].tolist(), recv.tolist(), strict=True)),
             "bucket_bytes": self.bucket_bytes,

@@ -142,8 +142,8 @@ struct WorldStats {
   int64_t pairs = 0;
   std::vector<int64_t> senders, send_bytes;       // every training rank of a needed parameter
   std::vector<int64_t> receivers, recv_bytes;     // every inference rank
-  std::vector<int64_t> sole_bytes;                // per sender: bytes no other replica holds
   std::vector<double> even_bytes;                 // per sender: every region split evenly
+  double bound_bytes = 0;  // no plan's busiest sender sends less (see plan_stats.cpp)
 };
 
 class World {

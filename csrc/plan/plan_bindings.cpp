@@ -289,7 +289,7 @@ class PyWorld {
     d["send_bytes"] = vec_numpy(st.send_bytes);
     d["receivers"] = vec_numpy(st.receivers);
     d["recv_bytes"] = vec_numpy(st.recv_bytes);
-    d["sole_bytes"] = vec_numpy(st.sole_bytes);
+    d["bound_bytes"] = st.bound_bytes;
     py::array_t<double> even(static_cast<py::ssize_t>(st.even_bytes.size()));
     std::copy(st.even_bytes.begin(), st.even_bytes.end(), even.mutable_data());
     d["even_bytes"] = even;

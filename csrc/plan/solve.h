@@ -1,0 +1,488 @@
+// Solver internals shared by plan_solve.cpp (per-rank plans) and plan_stats.cpp (world counts):
+// for one inference piece (a "query"), which training pieces send which boxes.
+//
+// solve(p, query):
+//   1. holders = every training piece of p that intersects the query (explicit pieces by a scan,
+//      rule pieces by chunk arithmetic: only the cells that overlap are visited).
+//   2. If every holder covers the whole query, the query is one cell held by all of them;
+//      otherwise the query is cut on every holder boundary into a grid of cells, each held by a
+//      fixed set of holders (a cell no holder covers is a PlanError).
+//   3. Replica balancing, per cell held by m > 1 holders (decided from this parameter's metadata
+//      only, so the sender and the receiver agree without talking):
+//        bytes = cell elements x receiver itemsize, parts = min(m, bytes / min_part_bytes);
+//        parts < 2: the cell goes whole to holder (h(p) + q + c) mod m;
+//        else it is cut into `parts` near-equal slabs along its outermost dim with extent
+//        >= parts (or its longest dim), slab k going to holder (h(p) + q * stride + c + k) mod m,
+//        stride = parts (parts < m) or m + 1 (parts == m).
+//      Here q is the query's expanded index: replicas of one inference box are adjacent in it,
+//      so consecutive receivers of one box continue the round robin where the previous one
+//      stopped and every holder gets the same number of slabs (+-1); h(p) (a hash of the
+//      parameter's index) decorrelates the +-1 remainders across parameters.
+// Ops of a (sender, receiver) pair come out ordered by (parameter, query, cell, slab); buckets
+// are filled greedily in that order (see BucketFill), an op larger than bucket_bytes is cut into
+// slabs along its outermost dim whose slab of one index still fits.
+#pragma once
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace awex::plan::detail {
+
+constexpr int64_t kMaxCells = int64_t{1} << 24;
+
+struct Query {
+  int64_t index = 0;  // expanded index on the inference side
+  int64_t rank = 0;
+  int64_t off[kMaxDims] = {}, len[kMaxDims] = {}, loc[kMaxDims] = {};
+};
+
+// The geometry shared by the replicas of one training box: its global and local offsets and
+// its intersection with the query. Holders of one box are contiguous in Scratch::holders.
+struct HBox {
+  int64_t off[kMaxDims], loc[kMaxDims];
+  int64_t lo[kMaxDims], hi[kMaxDims];
+  int64_t first = 0, end = 0;  // holders [first, end)
+};
+
+struct Holder {
+  int64_t index = 0;  // expanded index on the training side
+  int64_t rank = 0;
+  int64_t box = 0;
+};
+
+struct Scratch {
+  std::vector<HBox> boxes;
+  std::vector<Holder> holders;
+  std::vector<int64_t> cuts[kMaxDims];
+  std::vector<int64_t> cell_start, cell_list, fill, ids;
+  std::vector<Query> queries;
+  int64_t ncut[kMaxDims] = {};
+  int64_t min_part = kMinPartBytes;
+  explicit Scratch(const World& w) : min_part(w.min_part_bytes()) {}
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+inline std::string tuple_str(const int64_t* v, int n) {
+  std::string out = "(";
+  for (int i = 0; i < n; ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + (n == 1 ? ",)" : ")");
+}
+
+[[noreturn]] inline void uncovered(const Param& P, const Query& q, const int64_t* lo, const int64_t* len) {
+  throw PlanError("parameter '" + P.name + "': inference rank " + std::to_string(q.rank) +
+                  " needs the region at global offset " + tuple_str(lo, P.ndim) + " shape " +
+                  tuple_str(len, P.ndim) + ", which no training piece holds");
+}
+
+// Calls f(cell, ordinal, off, len) for every non-empty cell of rule R that overlaps the box
+// [lo, lo + len) (which must be non-empty), in row-major order.
+template <class F>
+void for_rule_cells(const Param& P, const Rule& R, const int64_t* lo, const int64_t* len, F&& f) {
+  if (R.cells == 0) return;
+  int64_t clo[kMaxDims], chi[kMaxDims], idx[kMaxDims];
+  for (int a = 0; a < R.nsplit; ++a) {
+    const int d = R.dims[a];
+    clo[a] = lo[d] / R.step[a];
+    chi[a] = std::min(R.nonempty[a], ceil_div(lo[d] + len[d], R.step[a]));
+    if (clo[a] >= chi[a]) return;
+    idx[a] = clo[a];
+  }
+  int64_t off[kMaxDims], ext[kMaxDims];
+  for (int d = 0; d < P.ndim; ++d) {
+    off[d] = 0;
+    ext[d] = P.shape[d];
+  }
+  while (true) {
+    int64_t c = 0, o = 0;
+    for (int a = 0; a < R.nsplit; ++a) {
+      const int d = R.dims[a];
+      c = c * R.chunks[a] + idx[a];
+      o = o * R.nonempty[a] + idx[a];
+      off[d] = idx[a] * R.step[a];
+      ext[d] = std::min(P.shape[d], off[d] + R.step[a]) - off[d];
+    }
+    f(c, o, off, ext);
+    int a = R.nsplit - 1;
+    for (; a >= 0; --a) {
+      if (++idx[a] < chi[a]) break;
+      idx[a] = clo[a];
+    }
+    if (a < 0) return;
+  }
+}
+
+// Every training piece of parameter p that intersects [lo, lo + len), by expanded index, into
+// s.boxes / s.holders.
+inline void gather(const World& w, int64_t p, const int64_t* lo, const int64_t* len, Scratch& s) {
+  s.boxes.clear();
+  s.holders.clear();
+  const Param& P = w.params()[p];
+  const SideParam& sp = P.side[kTrain];
+  const int nd = P.ndim;
+  HBox b;
+  for (int64_t i = 0; i < sp.piece_count; ++i) {
+    const int64_t* r = w.piece(kTrain, sp, i, nd);
+    bool hit = true;
+    for (int d = 0; d < nd && hit; ++d) {
+      b.lo[d] = std::max(r[1 + d], lo[d]);
+      b.hi[d] = std::min(r[1 + d] + r[1 + nd + d], lo[d] + len[d]);
+      hit = b.lo[d] < b.hi[d];
+    }
+    if (!hit) continue;
+    std::copy(r + 1, r + 1 + nd, b.off);
+    std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, b.loc);
+    // Replicas of one explicit box are adjacent (canonical order): share the geometry.
+    bool same = !s.boxes.empty() && s.boxes.back().end == static_cast<int64_t>(s.holders.size());
+    for (int d = 0; d < nd && same; ++d) {
+      const HBox& x = s.boxes.back();
+      same = x.off[d] == b.off[d] && x.loc[d] == b.loc[d] && x.lo[d] == b.lo[d] && x.hi[d] == b.hi[d];
+    }
+    if (!same) {
+      b.first = static_cast<int64_t>(s.holders.size());
+      s.boxes.push_back(b);
+    }
+    s.holders.push_back({i, r[0], static_cast<int64_t>(s.boxes.size()) - 1});
+    s.boxes.back().end = static_cast<int64_t>(s.holders.size());
+  }
+  for (int64_t k = 0; k < sp.rule_count; ++k) {
+    const Rule R = w.rule(kTrain, P, sp.rule_begin + k);
+    for_rule_cells(P, R, lo, len, [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
+      for (int d = 0; d < nd; ++d) {
+        b.off[d] = off[d];
+        b.loc[d] = R.has_loc ? R.loc[d] : 0;
+        b.lo[d] = std::max(off[d], lo[d]);
+        b.hi[d] = std::min(off[d] + ext[d], lo[d] + len[d]);
+      }
+      b.first = static_cast<int64_t>(s.holders.size());
+      b.end = b.first + R.replicas;
+      const int64_t box = static_cast<int64_t>(s.boxes.size());
+      s.boxes.push_back(b);
+      for (int64_t j = 0; j < R.replicas; ++j) {
+        s.holders.push_back({R.piece_base + o * R.replicas + j,
+                             w.pool(kTrain, R.ranks_begin + j * R.total + c), box});
+      }
+    });
+  }
+}
+
+// Cuts [lo, lo + len) on every holder boundary; fills s.cuts, s.ncut, and the holders of each
+// cell (CSR: s.cell_start / s.cell_list). Returns the number of cells.
+inline int64_t build_grid(const Param& P, const int64_t* lo, const int64_t* len, Scratch& s) {
+  const int nd = P.ndim;
+  int64_t total = 1;
+  for (int d = 0; d < nd; ++d) {
+    auto& c = s.cuts[d];
+    c.clear();
+    c.push_back(lo[d]);
+    c.push_back(lo[d] + len[d]);
+    for (const HBox& b : s.boxes) {
+      c.push_back(b.lo[d]);
+      c.push_back(b.hi[d]);
+    }
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end()), c.end());
+    s.ncut[d] = static_cast<int64_t>(c.size()) - 1;
+    total *= s.ncut[d];
+    if (total > kMaxCells) {
+      throw PlanError("parameter '" + P.name + "': training pieces cut one inference piece into more "
+                      "than 2^24 cells; describe the layout with rules or coarser pieces");
+    }
+  }
+  s.cell_start.assign(static_cast<size_t>(total) + 1, 0);
+  auto visit = [&](const HBox& h, auto&& f) {
+    int64_t a[kMaxDims], b[kMaxDims], idx[kMaxDims];
+    for (int d = 0; d < nd; ++d) {
+      const auto& c = s.cuts[d];
+      a[d] = std::lower_bound(c.begin(), c.end(), h.lo[d]) - c.begin();
+      b[d] = std::lower_bound(c.begin(), c.end(), h.hi[d]) - c.begin();
+      idx[d] = a[d];
+    }
+    while (true) {
+      int64_t cell = 0;
+      for (int d = 0; d < nd; ++d) cell = cell * s.ncut[d] + idx[d];
+      f(cell);
+      int d = nd - 1;
+      for (; d >= 0; --d) {
+        if (++idx[d] < b[d]) break;
+        idx[d] = a[d];
+      }
+      if (d < 0) return;
+    }
+  };
+  for (const HBox& b : s.boxes) {
+    visit(b, [&](int64_t cell) { s.cell_start[cell + 1] += b.end - b.first; });
+  }
+  for (int64_t c = 0; c < total; ++c) s.cell_start[c + 1] += s.cell_start[c];
+  s.cell_list.resize(static_cast<size_t>(s.cell_start[total]));
+  s.fill.assign(static_cast<size_t>(total), 0);
+  for (const HBox& b : s.boxes) {
+    visit(b, [&](int64_t cell) {
+      for (int64_t i = b.first; i < b.end; ++i) s.cell_list[s.cell_start[cell] + s.fill[cell]++] = i;
+    });
+  }
+  return total;
+}
+
+// The replica choice described at the top of this file, for one cell held by ids[0..m).
+template <class Sink>
+void assign(int64_t p, const Param& P, const Query& q, const int64_t* lo, const int64_t* len,
+            int64_t cell, const Scratch& s, const int64_t* ids, int64_t m, Sink& sink) {
+  const std::vector<Holder>& H = s.holders;
+  const int nd = P.ndim;
+  const int64_t isz = P.side[kInfer].itemsize;
+  int64_t vol = 1;
+  for (int d = 0; d < nd; ++d) vol *= len[d];
+  sink.cell(H, ids, m, vol * isz);
+  if (m == 1) {
+    sink.op(H[ids[0]], s.boxes[H[ids[0]].box], lo, len);
+    return;
+  }
+  int64_t parts = std::min<int64_t>(m, vol * isz / s.min_part);
+  int split = -1;
+  if (parts >= 2) {
+    for (int d = 0; d < nd && split < 0; ++d) {
+      if (len[d] >= parts) split = d;
+    }
+    if (split < 0) {
+      split = static_cast<int>(std::max_element(len, len + nd) - len);
+      parts = len[split];
+    }
+  }
+  const uint64_t um = static_cast<uint64_t>(m);
+  const uint64_t base = mix64(static_cast<uint64_t>(p)) % um;
+  const uint64_t qi = static_cast<uint64_t>(q.index) % um;
+  const uint64_t c = static_cast<uint64_t>(cell) % um;
+  if (parts < 2) {
+    const Holder& h = H[ids[(base + qi + c) % um]];
+    sink.op(h, s.boxes[h.box], lo, len);
+    return;
+  }
+  const uint64_t stride = static_cast<uint64_t>(parts < m ? parts : m + 1) % um;
+  const uint64_t rot = (base + qi * stride + c) % um;
+  int64_t sub_lo[kMaxDims], sub_len[kMaxDims];
+  std::copy(lo, lo + nd, sub_lo);
+  std::copy(len, len + nd, sub_len);
+  const int64_t extent = len[split];
+  for (int64_t k = 0; k < parts; ++k) {
+    const int64_t a = extent * k / parts, b = extent * (k + 1) / parts;
+    sub_lo[split] = lo[split] + a;
+    sub_len[split] = b - a;
+    const Holder& h = H[ids[(rot + static_cast<uint64_t>(k)) % um]];
+    sink.op(h, s.boxes[h.box], sub_lo, sub_len);
+  }
+}
+
+template <class Sink>
+void solve(const World& w, int64_t p, const Query& q, Scratch& s, Sink& sink) {
+  const Param& P = w.params()[p];
+  const int nd = P.ndim;
+  gather(w, p, q.off, q.len, s);
+  const auto& H = s.holders;
+  if (H.empty()) uncovered(P, q, q.off, q.len);
+  bool full = true;
+  for (const HBox& b : s.boxes) {
+    for (int d = 0; d < nd && full; ++d) full = b.lo[d] == q.off[d] && b.hi[d] == q.off[d] + q.len[d];
+    if (!full) break;
+  }
+  if (full) {
+    s.ids.resize(H.size());
+    std::iota(s.ids.begin(), s.ids.end(), 0);
+    assign(p, P, q, q.off, q.len, 0, s, s.ids.data(), static_cast<int64_t>(H.size()), sink);
+    return;
+  }
+  const int64_t total = build_grid(P, q.off, q.len, s);
+  int64_t idx[kMaxDims] = {}, lo[kMaxDims], len[kMaxDims];
+  for (int64_t cell = 0; cell < total; ++cell) {
+    for (int d = 0; d < nd; ++d) {
+      lo[d] = s.cuts[d][idx[d]];
+      len[d] = s.cuts[d][idx[d] + 1] - lo[d];
+    }
+    const int64_t m = s.cell_start[cell + 1] - s.cell_start[cell];
+    if (m == 0) uncovered(P, q, lo, len);
+    assign(p, P, q, lo, len, cell, s, &s.cell_list[s.cell_start[cell]], m, sink);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < s.ncut[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// Every inference piece of p, in expanded-index order.
+template <class F>
+void for_each_query(const World& w, int64_t p, Query& q, F&& f) {
+  const Param& P = w.params()[p];
+  const SideParam& sp = P.side[kInfer];
+  const int nd = P.ndim;
+  for (int64_t i = 0; i < sp.piece_count; ++i) {
+    const int64_t* r = w.piece(kInfer, sp, i, nd);
+    q.index = i;
+    q.rank = r[0];
+    std::copy(r + 1, r + 1 + nd, q.off);
+    std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
+    std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+    f(q);
+  }
+  int64_t zero[kMaxDims] = {};
+  for (int64_t k = 0; k < sp.rule_count; ++k) {
+    const Rule R = w.rule(kInfer, P, sp.rule_begin + k);
+    for_rule_cells(P, R, zero, P.shape, [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
+      std::copy(off, off + nd, q.off);
+      std::copy(ext, ext + nd, q.len);
+      for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
+      for (int64_t j = 0; j < R.replicas; ++j) {
+        q.index = R.piece_base + o * R.replicas + j;
+        q.rank = w.pool(kInfer, R.ranks_begin + j * R.total + c);
+        f(q);
+      }
+    });
+  }
+}
+
+// Greedy bucket filling for one (sender, receiver) pair.
+struct BucketFill {
+  int64_t fill = 0;
+  int64_t count = 0;  // buckets opened so far
+  bool open = false;
+  // Places nb bytes; returns the op's byte offset and sets `fresh` if a new bucket was opened.
+  int64_t place(int64_t nb, int64_t bucket_bytes, bool& fresh) {
+    int64_t off = (fill + kOpAlign - 1) / kOpAlign * kOpAlign;
+    fresh = !open || off + nb > bucket_bytes;
+    if (fresh) {
+      open = true;
+      ++count;
+      off = 0;
+    }
+    fill = off + nb;
+    return off;
+  }
+};
+
+// Calls f(delta_off, sub_len) for the slabs of an op box `len` so that each fits bucket_bytes.
+template <class F>
+void split_for_buckets(const int64_t* len, int nd, int64_t isz, int64_t bucket_bytes, F&& f) {
+  int64_t inner[kMaxDims + 1];
+  inner[nd] = isz;
+  for (int d = nd - 1; d >= 0; --d) inner[d] = inner[d + 1] * len[d];
+  int64_t delta[kMaxDims] = {}, sub[kMaxDims];
+  std::copy(len, len + nd, sub);
+  if (inner[0] <= bucket_bytes) {
+    f(delta, sub);
+    return;
+  }
+  int d = 0;
+  while (inner[d + 1] > bucket_bytes) ++d;  // inner[nd] = isz <= bucket_bytes
+  const int64_t rows = bucket_bytes / inner[d + 1];
+  for (int a = 0; a < d; ++a) sub[a] = 1;
+  int64_t idx[kMaxDims] = {};
+  while (true) {
+    for (int a = 0; a < d; ++a) delta[a] = idx[a];
+    for (int64_t t = 0; t < len[d]; t += rows) {
+      delta[d] = t;
+      sub[d] = std::min(rows, len[d] - t);
+      f(delta, sub);
+    }
+    int a = d - 1;
+    for (; a >= 0; --a) {
+      if (++idx[a] < len[a]) break;
+      idx[a] = 0;
+    }
+    if (a < 0) return;
+  }
+}
+
+struct NullSink {
+  void cell(const std::vector<Holder>&, const int64_t*, int64_t, int64_t) {}
+  void op(const Holder&, const HBox&, const int64_t*, const int64_t*) {}
+};
+
+// Positions of one rank in each distinct rule's rank list, per side: CSR over rule defs.
+struct Positions {
+  std::vector<int64_t> start[2], pos[2];
+  Positions(const World& w, int64_t rank) {
+    for (int s = 0; s < 2; ++s) {
+      const int64_t T = w.num_defs(s);
+      start[s].assign(static_cast<size_t>(T) + 1, 0);
+      for (int64_t t = 0; t < T; ++t) {
+        const RuleDef& d = w.def(s, t);
+        if (rank >= d.min_rank && rank <= d.max_rank) {
+          for (int64_t j = 0; j < d.nranks; ++j) {
+            if (w.pool(s, d.ranks_begin + j) == rank) pos[s].push_back(j);
+          }
+        }
+        start[s][t + 1] = static_cast<int64_t>(pos[s].size());
+      }
+    }
+  }
+};
+
+// The pieces rank `rank` holds of parameter p on side s, appended to `out` (index order not
+// guaranteed).
+inline void own_pieces(const World& w, int64_t p, int s, int64_t rank, const Positions& pos,
+                std::vector<Query>& out) {
+  const Param& P = w.params()[p];
+  const SideParam& sp = P.side[s];
+  const int nd = P.ndim;
+  Query q;
+  q.rank = rank;
+  for (int64_t i = 0; i < sp.piece_count; ++i) {
+    const int64_t* r = w.piece(s, sp, i, nd);
+    if (r[0] != rank) continue;
+    q.index = i;
+    std::copy(r + 1, r + 1 + nd, q.off);
+    std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
+    std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+    out.push_back(q);
+  }
+  for (int64_t k = 0; k < sp.rule_count; ++k) {
+    const Rule R = w.rule(s, P, sp.rule_begin + k);
+    if (R.cells == 0) continue;
+    for (int64_t t = pos.start[s][R.table]; t < pos.start[s][R.table + 1]; ++t) {
+      const int64_t at = pos.pos[s][t];
+      const int64_t j = at / R.total;
+      int64_t c = at % R.total;
+      int64_t cidx[kMaxDims];
+      for (int a = R.nsplit - 1; a >= 0; --a) {
+        cidx[a] = c % R.chunks[a];
+        c /= R.chunks[a];
+      }
+      bool empty = false;
+      int64_t o = 0;
+      for (int d = 0; d < nd; ++d) {
+        q.off[d] = 0;
+        q.len[d] = P.shape[d];
+        q.loc[d] = R.has_loc ? R.loc[d] : 0;
+      }
+      for (int a = 0; a < R.nsplit; ++a) {
+        empty |= cidx[a] >= R.nonempty[a];
+        o = o * R.nonempty[a] + cidx[a];
+        const int d = R.dims[a];
+        q.off[d] = cidx[a] * R.step[a];
+        q.len[d] = std::min(P.shape[d], q.off[d] + R.step[a]) - q.off[d];
+      }
+      if (empty) continue;
+      q.index = R.piece_base + o * R.replicas + j;
+      out.push_back(q);
+    }
+  }
+}
+
+inline void sort_unique(std::vector<Query>& qs) {
+  std::sort(qs.begin(), qs.end(), [](const Query& a, const Query& b) { return a.index < b.index; });
+  qs.erase(std::unique(qs.begin(), qs.end(),
+                       [](const Query& a, const Query& b) { return a.index == b.index; }),
+           qs.end());
+}
+
+}  // namespace awex::plan::detail
