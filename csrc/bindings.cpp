@@ -10,8 +10,12 @@ namespace awex {
 namespace copy {
 void register_apis(py::module_& m);
 }
+namespace plan {
+void register_apis(py::module_& m);
+}
 namespace comm {
 void register_apis(py::module_& m);
+void register_ipc_apis(py::module_& m);
 }
 }  // namespace awex
 
@@ -36,5 +40,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "awex_fast native core (no libtorch: raw pointers, sizes, strides, streams)";
   m.def("build_info", &build_info, "How this extension was built.");
   awex::copy::register_apis(m);
+  awex::plan::register_apis(m);
   awex::comm::register_apis(m);
+  awex::comm::register_ipc_apis(m);
 }
