@@ -24,7 +24,7 @@ from awex_fast.worker_routes import worker_app
 def main(checkpoint: str, url_file: str) -> None:
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    adapter = TrainingAdapter(model, rank=0, world_size=1, timeout_s=30.0)
+    adapter = TrainingAdapter(model, rank=0, world_size=1, timeout_s=60.0)
     server = BackgroundServer(lambda: worker_app(adapter), "127.0.0.1", 0).start()
     tmp = Path(f"{url_file}.{os.getpid()}.tmp")
     tmp.write_text(server.url)

@@ -44,7 +44,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpts):
     handle = launch_server(ckpts["A"], 2, max_seq_len=512, max_running=8, admin_api_key=KEY,
-                           transfer_timeout_s=20.0, gang_timeout_s=20.0, setup_timeout=180)
+                           transfer_timeout_s=45.0, gang_timeout_s=45.0, setup_timeout=180)
     yield handle
     handle.shutdown()
 
@@ -154,7 +154,7 @@ def test_awex_updates_and_a_killed_sender(server, ckpts, tmp_path):
         proc, trainer = _start_trainer(ckpts["C"], tmp_path / "trainer1")
         procs.append(proc)
         pair = WeightSyncPair("infer-test", kv.url, [trainer], [[f"{url}/tp/0", f"{url}/tp/1"]],
-                              admin_api_key=KEY, timeout_s=30.0)
+                              admin_api_key=KEY, timeout_s=60.0)
         pair.connect()
         result = pair.update_weights(5)
         assert result["status"] == "ok", result
