@@ -9,8 +9,8 @@ the same frame. Nothing is pickled.
 
 Ops (``header["op"]``):
 
-- ``forward``: ``B``, ``T`` in the header; tensor ``[3 * B * T + 2 * B]`` = tokens, positions and
-  write slots (``[B, T]`` each, flattened), then read slots and logit index (``[B]`` each).
+- ``forward``: ``B``, ``T`` in the header; int64 payload ``[3 * B * T + 2 * B]`` = tokens,
+  positions and write slots (``[B, T]`` each, flattened), then read slots and logit index.
   Every rank computes the full logits (vocab-parallel lm_head, then an all-gather).
 - ``load_disk``: ``path``: each rank reads its boxes of an HF checkpoint. Results are gathered.
 - ``adapter``: ``calls``, one ``{"method", "kwargs"}`` (or None) per rank: call that method of
@@ -223,12 +223,6 @@ class Worker:
         """Rank 0: broadcast a non-forward op, run it here, and return every rank's result."""
         self.broadcast_op(header)
         return self.gather_results(self.run_local(header))
-
-    def _call_adapter(self, header: dict[str, Any]) -> Any:
-        if self.adapter is None:
-            raise RuntimeError("no weight-sync adapter is attached to this worker")
-        method = getattr(self.adapter, header["method"])
-        return method(**header.get("kwargs", {}))
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's ops until ``shutdown`` (or the group breaks)."""
