@@ -107,11 +107,11 @@ def parse_train(spec: str) -> TrainLayout:
     if "engines" in t or t.get("ep") is True:
         raise ValueError(f"training layout {spec!r}: 'engines' and a bare 'ep' are inference tokens")
     lay = TrainLayout(**{k: int(v) for k, v in t.items()}, dtype=_dtype(spec))
-    if "dp" not in t:
-        need = lay.ep * lay.etp
+    need = lay.ep * lay.etp
+    if "dp" not in t and need > lay.tp * lay.fsdp:
         if need % (lay.tp * lay.fsdp):
             raise ValueError(f"training layout {spec!r}: EP x ETP = {need} is not a multiple of TP x FSDP")
-        lay = replace(lay, dp=max(1, need // (lay.tp * lay.fsdp)))
+        lay = replace(lay, dp=need // (lay.tp * lay.fsdp))
     if lay.stage_size % (lay.ep * lay.etp):
         raise ValueError(
             f"training layout {spec!r}: EP x ETP = {lay.ep * lay.etp} must divide the "

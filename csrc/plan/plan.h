@@ -22,7 +22,7 @@ namespace awex::plan {
 
 constexpr int kMaxDims = 8;
 // Bumped whenever the plan a given metadata produces changes; part of every digest.
-constexpr int64_t kPlannerVersion = 1;
+constexpr int64_t kPlannerVersion = 2;
 // Each op starts at a multiple of this inside its bucket (the wire layout; >= any itemsize).
 constexpr int64_t kOpAlign = 16;
 // Default for World's min_part_bytes: a region held by several training replicas is split among

@@ -101,6 +101,7 @@ void World::plan_rank(int64_t rank, std::vector<int64_t>& ops, std::vector<int64
             Query q;
             q.index = i;
             q.rank = r[0];
+            q.reps = explicit_reps(*this, kInfer, inf, i, nd);
             std::copy(r + 1, r + 1 + nd, q.off);
             std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
             std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
@@ -114,6 +115,7 @@ void World::plan_rank(int64_t rank, std::vector<int64_t>& ops, std::vector<int64
                              std::copy(off, off + nd, q.off);
                              std::copy(ext, ext + nd, q.len);
                              for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
+                             q.reps = R.replicas;
                              for (int64_t j = 0; j < R.replicas; ++j) {
                                q.index = R.piece_base + o * R.replicas + j;
                                q.rank = pool(kInfer, R.ranks_begin + j * R.total + c);

@@ -9,15 +9,18 @@
 //      fixed set of holders (a cell no holder covers is a PlanError).
 //   3. Replica balancing, per cell held by m > 1 holders (decided from this parameter's metadata
 //      only, so the sender and the receiver agree without talking):
-//        bytes = cell elements x receiver itemsize, parts = min(m, bytes / min_part_bytes);
+//        E = inference pieces with the query's very box (engines holding it), bytes = cell
+//        elements x receiver itemsize, parts = min(m / gcd(E, m), bytes / min_part_bytes);
 //        parts < 2: the cell goes whole to holder (h(p) + q + c) mod m;
 //        else it is cut into `parts` near-equal slabs along its outermost dim with extent
 //        >= parts (or its longest dim), slab k going to holder (h(p) + q * stride + c + k) mod m,
-//        stride = parts (parts < m) or m + 1 (parts == m).
-//      Here q is the query's expanded index: replicas of one inference box are adjacent in it,
-//      so consecutive receivers of one box continue the round robin where the previous one
-//      stopped and every holder gets the same number of slabs (+-1); h(p) (a hash of the
-//      parameter's index) decorrelates the +-1 remainders across parameters.
+//        stride = parts (parts < m) or m + 1 (parts == m, which rotates the slab sizes).
+//      Here q is the query's expanded index: the E replicas of one inference box are adjacent
+//      in it, so consecutive receivers continue the round robin where the previous one stopped:
+//      E x parts slabs, a multiple of m, give every holder the same number of slabs, and E >= m
+//      engines are served by whole queries (fewer ops and peers than splitting every query).
+//      h(p) (a hash of the parameter's index; 0 when E x parts is a multiple of m, so that a
+//      sender keeps the same peers for every parameter) decorrelates the remainders.
 // Ops of a (sender, receiver) pair come out ordered by (parameter, query, cell, slab); buckets
 // are filled greedily in that order (see BucketFill), an op larger than bucket_bytes is cut into
 // slabs along its outermost dim whose slab of one index still fits.
@@ -37,6 +40,7 @@ constexpr int64_t kMaxCells = int64_t{1} << 24;
 struct Query {
   int64_t index = 0;  // expanded index on the inference side
   int64_t rank = 0;
+  int64_t reps = 1;   // inference pieces with this very box (adjacent in index order)
   int64_t off[kMaxDims] = {}, len[kMaxDims] = {}, loc[kMaxDims] = {};
 };
 
@@ -66,6 +70,28 @@ struct Scratch {
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int64_t gcd(int64_t a, int64_t b) {
+  while (b) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// How many explicit pieces of one side share piece i's box (they are adjacent: canonical order).
+inline int64_t explicit_reps(const World& w, int s, const SideParam& sp, int64_t i, int nd) {
+  const int64_t* x = w.piece(s, sp, i, nd) + 1;
+  auto same = [&](int64_t j) {
+    const int64_t* y = w.piece(s, sp, j, nd) + 1;
+    return std::equal(x, x + 2 * nd, y);
+  };
+  int64_t lo = i, hi = i + 1;
+  while (lo > 0 && same(lo - 1)) --lo;
+  while (hi < sp.piece_count && same(hi)) ++hi;
+  return hi - lo;
+}
 
 inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x += 0x9E3779B97F4A7C15ULL;
@@ -249,7 +275,9 @@ void assign(int64_t p, const Param& P, const Query& q, const int64_t* lo, const 
     sink.op(H[ids[0]], s.boxes[H[ids[0]].box], lo, len);
     return;
   }
-  int64_t parts = std::min<int64_t>(m, vol * isz / s.min_part);
+  // m / gcd(reps, m) slabs per query make the reps receivers of this box give every holder the
+  // same number of slabs; fewer if the slabs would fall below min_part.
+  int64_t parts = std::min<int64_t>(m / gcd(std::max<int64_t>(q.reps, 1), m), vol * isz / s.min_part);
   int split = -1;
   if (parts >= 2) {
     for (int d = 0; d < nd && split < 0; ++d) {
@@ -261,7 +289,10 @@ void assign(int64_t p, const Param& P, const Query& q, const int64_t* lo, const 
     }
   }
   const uint64_t um = static_cast<uint64_t>(m);
-  const uint64_t base = mix64(static_cast<uint64_t>(p)) % um;
+  // When the E receivers' slabs divide evenly over the holders, every parameter uses the same
+  // rotation: each sender keeps the same few peers. Otherwise h(p) spreads the remainders.
+  const bool even = (std::max<int64_t>(q.reps, 1) * std::max<int64_t>(parts, 1)) % m == 0;
+  const uint64_t base = even ? 0 : mix64(static_cast<uint64_t>(p)) % um;
   const uint64_t qi = static_cast<uint64_t>(q.index) % um;
   const uint64_t c = static_cast<uint64_t>(cell) % um;
   if (parts < 2) {
@@ -329,6 +360,7 @@ void for_each_query(const World& w, int64_t p, Query& q, F&& f) {
     const int64_t* r = w.piece(kInfer, sp, i, nd);
     q.index = i;
     q.rank = r[0];
+    q.reps = explicit_reps(w, kInfer, sp, i, nd);
     std::copy(r + 1, r + 1 + nd, q.off);
     std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
     std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
@@ -341,6 +373,7 @@ void for_each_query(const World& w, int64_t p, Query& q, F&& f) {
       std::copy(off, off + nd, q.off);
       std::copy(ext, ext + nd, q.len);
       for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
+      q.reps = R.replicas;
       for (int64_t j = 0; j < R.replicas; ++j) {
         q.index = R.piece_base + o * R.replicas + j;
         q.rank = w.pool(kInfer, R.ranks_begin + j * R.total + c);
@@ -440,6 +473,7 @@ inline void own_pieces(const World& w, int64_t p, int s, int64_t rank, const Pos
     const int64_t* r = w.piece(s, sp, i, nd);
     if (r[0] != rank) continue;
     q.index = i;
+    q.reps = explicit_reps(w, s, sp, i, nd);
     std::copy(r + 1, r + 1 + nd, q.off);
     std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
     std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
@@ -473,6 +507,7 @@ inline void own_pieces(const World& w, int64_t p, int s, int64_t rank, const Pos
       }
       if (empty) continue;
       q.index = R.piece_base + o * R.replicas + j;
+      q.reps = R.replicas;
       out.push_back(q);
     }
   }
