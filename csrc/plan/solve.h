@@ -66,6 +66,10 @@ struct Scratch {
   std::vector<Query> queries;
   int64_t ncut[kMaxDims] = {};
   int64_t min_part = kMinPartBytes;
+  // The geometry (holders, cells) of the last query solved; see same_geometry().
+  bool geo_valid = false;
+  int64_t geo_p = -1, geo_cells = 0;
+  int64_t geo_off[kMaxDims] = {}, geo_len[kMaxDims] = {};
   explicit Scratch(const World& w) : min_part(w.min_part_bytes()) {}
 };
 
@@ -152,6 +156,7 @@ void for_rule_cells(const Param& P, const Rule& R, const int64_t* lo, const int6
 // Every training piece of parameter p that intersects [lo, lo + len), by expanded index, into
 // s.boxes / s.holders.
 inline void gather(const World& w, int64_t p, const int64_t* lo, const int64_t* len, Scratch& s) {
+  s.geo_valid = false;
   s.boxes.clear();
   s.holders.clear();
   const Param& P = w.params()[p];
@@ -315,33 +320,64 @@ void assign(int64_t p, const Param& P, const Query& q, const int64_t* lo, const 
   }
 }
 
+// Holders and cells depend only on (parameter, query box): replicas of one inference box
+// (adjacent in index order) reuse them, and only the replica choice is redone per query.
+inline bool same_geometry(const Scratch& s, int64_t p, const Query& q, int nd) {
+  if (!s.geo_valid || s.geo_p != p) return false;
+  for (int d = 0; d < nd; ++d) {
+    if (s.geo_off[d] != q.off[d] || s.geo_len[d] != q.len[d]) return false;
+  }
+  return true;
+}
+
 template <class Sink>
 void solve(const World& w, int64_t p, const Query& q, Scratch& s, Sink& sink) {
   const Param& P = w.params()[p];
   const int nd = P.ndim;
-  gather(w, p, q.off, q.len, s);
-  const auto& H = s.holders;
-  if (H.empty()) uncovered(P, q, q.off, q.len);
-  bool full = true;
-  for (const HBox& b : s.boxes) {
-    for (int d = 0; d < nd && full; ++d) full = b.lo[d] == q.off[d] && b.hi[d] == q.off[d] + q.len[d];
-    if (!full) break;
+  if (!same_geometry(s, p, q, nd)) {
+    s.geo_valid = false;
+    gather(w, p, q.off, q.len, s);
+    if (s.holders.empty()) uncovered(P, q, q.off, q.len);
+    bool full = true;
+    for (const HBox& b : s.boxes) {
+      for (int d = 0; d < nd && full; ++d) full = b.lo[d] == q.off[d] && b.hi[d] == q.off[d] + q.len[d];
+      if (!full) break;
+    }
+    if (full) {
+      s.ids.resize(s.holders.size());
+      std::iota(s.ids.begin(), s.ids.end(), 0);
+      s.geo_cells = 0;
+    } else {
+      s.geo_cells = build_grid(P, q.off, q.len, s);
+      for (int64_t cell = 0; cell < s.geo_cells; ++cell) {
+        if (s.cell_start[cell + 1] == s.cell_start[cell]) {
+          int64_t lo[kMaxDims], len[kMaxDims], c = cell;
+          for (int d = nd - 1; d >= 0; --d) {
+            const int64_t i = c % s.ncut[d];
+            c /= s.ncut[d];
+            lo[d] = s.cuts[d][i];
+            len[d] = s.cuts[d][i + 1] - lo[d];
+          }
+          uncovered(P, q, lo, len);
+        }
+      }
+    }
+    s.geo_valid = true;
+    s.geo_p = p;
+    std::copy(q.off, q.off + nd, s.geo_off);
+    std::copy(q.len, q.len + nd, s.geo_len);
   }
-  if (full) {
-    s.ids.resize(H.size());
-    std::iota(s.ids.begin(), s.ids.end(), 0);
-    assign(p, P, q, q.off, q.len, 0, s, s.ids.data(), static_cast<int64_t>(H.size()), sink);
+  if (s.geo_cells == 0) {  // every holder covers the whole query
+    assign(p, P, q, q.off, q.len, 0, s, s.ids.data(), static_cast<int64_t>(s.holders.size()), sink);
     return;
   }
-  const int64_t total = build_grid(P, q.off, q.len, s);
   int64_t idx[kMaxDims] = {}, lo[kMaxDims], len[kMaxDims];
-  for (int64_t cell = 0; cell < total; ++cell) {
+  for (int64_t cell = 0; cell < s.geo_cells; ++cell) {
     for (int d = 0; d < nd; ++d) {
       lo[d] = s.cuts[d][idx[d]];
       len[d] = s.cuts[d][idx[d] + 1] - lo[d];
     }
     const int64_t m = s.cell_start[cell + 1] - s.cell_start[cell];
-    if (m == 0) uncovered(P, q, lo, len);
     assign(p, P, q, lo, len, cell, s, &s.cell_list[s.cell_start[cell]], m, sink);
     for (int d = nd - 1; d >= 0; --d) {
       if (++idx[d] < s.ncut[d]) break;
