@@ -458,7 +458,10 @@ def launch_server(
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "python_engines.inference.server", "--worker", payload,
                      "--rank", str(rank)],
-                    stdout=log, stderr=subprocess.STDOUT, env=worker_env, start_new_session=True))
+                    # cwd=run_dir: `-m` puts the cwd first on sys.path, and a source checkout
+                    # there (no compiled extension) must not shadow the installed package.
+                    stdout=log, stderr=subprocess.STDOUT, env=worker_env, start_new_session=True,
+                    cwd=run_dir))
         _wait_ready(handle, setup_timeout)
         handle.url = json.loads((run_dir / "ready.json").read_text())["url"]
     except BaseException:
