@@ -16,9 +16,23 @@ Contract:
 - ``update_weights(meta)`` returns a Future. ``"disk"``: wait (up to ``request_timeout``) for the
   trainer's version marker in ``meta.path`` to reach ``meta.version`` (default: this client's
   current version; see `python_engines.api`), then POST ``/update_weights_from_disk`` to every
-  server. ``"awex"``: the awex_fast receive half on every rank (the transfer group must have been
-  formed, e.g. by ``WeightSyncPair.connect``). The Future's result lists each
-  server's answer; with ``meta.version`` set, the client's version becomes it.
+  server. ``"awex"``: the awex_fast receive half, ``execute_weight_update(version)`` on every TP rank
+  of every server (``meta.version``, default this client's version + 1). The Future's result
+  lists each rank's answer; with ``meta.version`` set, the client's version becomes it.
+- The awex group: when every server holds one that this client did not join (a `WeightSyncPair`
+  or AReaL's gateway formed it), the update only receives. Otherwise the client joins the
+  servers itself, with no controller, on the first awex update (and again when the pair fields
+  of ``meta`` change, a server holds no group, or after a failed update), by the rule the
+  training side follows (`python_engines.train.engine`, DESIGN.md "Who drives an update"):
+  every TP rank leaves any old group; the client collects every rank's side-local metadata,
+  merges it per server (one engine per server, in address order), deletes a stale
+  ``transfer_master_port``, publishes ``infer_params_meta`` (`awex_fast.adapters.
+  encode_side_metas`, the engine sizes = TP sizes), waits for ``training_params_meta`` for the
+  training world size, then every TP rank calls ``init_weight_update_group`` at once, with
+  transfer rank = prefix sum of the earlier servers' TP sizes + its TP rank (master port 0:
+  inference transfer rank 0 binds and publishes one). The join runs in the Future, so the
+  trainer's ``upload_weights(meta)`` joins concurrently. A failed join raises
+  `WeightSyncJoinError` naming the step; the servers are left with no group.
 - ``pause()`` stops new rollout episodes *and* interrupts generation on every server;
   ``resume()`` undoes both. ``set_version(v)`` sets the version here and on every server.
 """
@@ -26,6 +40,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import itertools
@@ -53,7 +68,8 @@ from python_engines.api import (
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["GenerationRefused", "InferenceEngineConfig", "RemoteInferenceEngine", "ServerError"]
+__all__ = ["GenerationRefused", "InferenceEngineConfig", "RemoteInferenceEngine", "ServerError",
+           "WeightSyncJoinError"]
 
 _ADMIN_KEY_ENV = "AWEX_FAST_ADMIN_KEY"
 
@@ -111,6 +127,15 @@ class GenerationRefused(ServerError):
     """The server refuses generation because its weights are invalid (a failed update)."""
 
 
+class WeightSyncJoinError(RuntimeError):
+    """A controller-less awex join failed; ``step`` names the step that did (module docstring)."""
+
+    def __init__(self, message: str, *, step: str) -> None:
+        """Keep the failed step next to the message."""
+        super().__init__(message)
+        self.step = step
+
+
 class RemoteInferenceEngine(InferenceEngine):
     """HTTP client engine over inference servers; see the module docstring."""
 
@@ -127,6 +152,10 @@ class RemoteInferenceEngine(InferenceEngine):
         self._control: EventLoopThread | None = None
         self._update_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.executor: Any = None
+        #: Pair fields of the awex group this client joined (None: it joined none); set and read
+        #: on the update thread only.
+        self._joined: tuple[str, str, str, int] | None = None
+        self._rejoin = False
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -248,14 +277,36 @@ class RemoteInferenceEngine(InferenceEngine):
              every_rank: bool = False) -> list[dict]:
         """POST an admin route to every server concurrently (from a plain thread); with
         ``every_rank``, to ``/tp/{r}{route}`` of every TP rank of every server."""
-        if self._control is None:
-            raise RuntimeError("RemoteInferenceEngine is not initialized")
         urls = [f"{url}/tp/{r}{route}" for url in self.addresses for r in range(self.tp_sizes[url])] \
             if every_rank else [f"{url}{route}" for url in self.addresses]
+        return self._post_each([(u, body) for u in urls], timeout, retries)
+
+    def _post_each(self, requests: list[tuple[str, dict[str, Any]]], timeout: float,
+                   retries: int = 0) -> list[dict]:
+        """POST each ``(url, body)`` as an admin request, concurrently (from a plain thread)."""
+        if self._control is None:
+            raise RuntimeError("RemoteInferenceEngine is not initialized")
 
         async def run() -> list[dict]:
             return list(await asyncio.gather(*[
-                self._post(u, body, admin=True, timeout=timeout, retries=retries) for u in urls]))
+                self._post(u, b, admin=True, timeout=timeout, retries=retries) for u, b in requests]))
+
+        return self._control.run(run(), timeout + 5)
+
+    def _health_all(self, timeout: float = 30.0) -> list[dict]:
+        """Every server's ``/health`` answer, in address order (from a plain thread)."""
+        if self._control is None:
+            raise RuntimeError("RemoteInferenceEngine is not initialized")
+
+        async def one(session: aiohttp.ClientSession, url: str) -> dict:
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    raise ServerError(f"{url}/health answered {resp.status}", resp.status, url)
+                return await resp.json()
+
+        async def run() -> list[dict]:
+            async with self._client() as session:
+                return list(await asyncio.gather(*[one(session, u) for u in self.addresses]))
 
         return self._control.run(run(), timeout + 5)
 
@@ -328,7 +379,7 @@ class RemoteInferenceEngine(InferenceEngine):
             version = meta.version if meta.version is not None else self._version + 1
 
             def run() -> list[dict]:
-                return self._all("/awex/update_weights", {"version": version}, timeout, every_rank=True)
+                return self._awex_update(meta, version, timeout)
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'awex', got {meta.type!r}")
 
@@ -339,6 +390,88 @@ class RemoteInferenceEngine(InferenceEngine):
             return results
 
         return self._update_pool.submit(landed)
+
+    def _awex_update(self, meta: WeightUpdateMeta, version: int, timeout: float) -> list[dict]:
+        """The awex receive half (on the update thread): join when needed, then receive."""
+        fields = (meta.pair_name, str(meta.kv_store_url), meta.nccl_master_address,
+                  int(meta.nccl_master_port))
+        held = all(h.get("weight_sync") is not None for h in self._health_all())
+        by_controller = held and self._joined is None
+        if not by_controller and (self._joined != fields or self._rejoin or not held):
+            self._joined = None
+            try:
+                self._join_weight_sync(meta, timeout)
+            except BaseException:
+                with contextlib.suppress(ServerError, RuntimeError, concurrent.futures.TimeoutError):
+                    self._all("/awex/teardown", {}, 60.0, every_rank=True)  # ranks whose init succeeded
+                raise
+            self._joined, self._rejoin = fields, False
+        try:
+            return self._all("/awex/update_weights", {"version": version}, timeout, every_rank=True)
+        except BaseException:
+            self._rejoin = self._joined is not None
+            raise
+
+    def _join_step(self, step: str, where: str, fn: Callable[[], Any]) -> Any:
+        """Run one step of a join; any failure becomes a `WeightSyncJoinError` naming ``step``."""
+        try:
+            return fn()
+        except WeightSyncJoinError:
+            raise
+        except Exception as exc:
+            raise WeightSyncJoinError(f"awex join {where}: step {step!r} failed: {type(exc).__name__}: {exc}",
+                                      step=step) from exc
+
+    def _join_weight_sync(self, meta: WeightUpdateMeta, timeout: float) -> None:
+        """The controller-less join of every TP rank of every server (module docstring)."""
+        from awex_fast.adapters import (
+            INFER_META_KEY,
+            MASTER_PORT_KEY,
+            TRAINING_META_KEY,
+            decode_side_metas,
+            encode_side_metas,
+        )
+        from awex_fast.kvstore import KVStoreClient
+        from awex_fast.meta import merge_metas, metas_from_json
+
+        pair, kv_url = meta.pair_name, meta.kv_store_url
+        where = f"of pair {pair!r} at {kv_url}"
+        if not kv_url:
+            raise WeightSyncJoinError("WeightUpdateMeta.kv_store_url is required for an awex update when "
+                                      "no controller formed the weight-sync group (see "
+                                      "WeightUpdateMeta.from_awex)", step="kv_store_url")
+        self._join_step("teardown", where, lambda: self._all("/awex/teardown", {}, 60.0, every_rank=True))
+        answers = self._join_step("report_weight_meta", where, lambda: self._all(
+            "/awex/report_weight_meta", {}, timeout, every_rank=True))
+        sizes = [self.tp_sizes[url] for url in self.addresses]
+        groups, start = [], 0
+        for size in sizes:
+            blobs = [a["result"]["metas"] for a in answers[start : start + size]]
+            groups.append(merge_metas([metas_from_json(base64.b64decode(b, validate=True)) for b in blobs]))
+            start += size
+        key = meta.admin_api_key if meta.admin_api_key is not None else self.config.admin_api_key
+        kv = KVStoreClient(kv_url, key or "")
+        try:
+            def publish() -> None:
+                kv.delete(pair, MASTER_PORT_KEY)
+                kv.put(pair, INFER_META_KEY, encode_side_metas("inference", groups, sizes))
+
+            self._join_step("publish infer_params_meta", where, publish)
+            train_sizes = self._join_step("wait for training_params_meta", where, lambda: decode_side_metas(
+                kv.wait(pair, TRAINING_META_KEY, timeout), "training")[0])
+        finally:
+            kv.close()
+        infer_world, train_world = sum(sizes), sum(train_sizes)
+        common = {"pair_name": pair, "master_addr": meta.nccl_master_address,
+                  "master_port": int(meta.nccl_master_port), "world_size": infer_world + train_world,
+                  "kv_store_url": kv_url, "infer_world_size": infer_world, "train_world_size": train_world,
+                  "num_engines": len(sizes)}
+        requests, base = [], 0
+        for url, size in zip(self.addresses, sizes, strict=True):
+            requests += [(f"{url}/tp/{r}/awex/init_weights_update_group",
+                          {**common, "transfer_rank": base + r}) for r in range(size)]
+            base += size
+        self._join_step("init_weight_update_group", where, lambda: self._post_each(requests, timeout))
 
     def set_version(self, version: int) -> None:
         """Set the version here and on every server (tokens generated next carry it)."""

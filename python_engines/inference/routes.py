@@ -150,6 +150,7 @@ def build_app(engine: EngineLoop, admin_key: str) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": engine.version, "tp_size": tp_size,
                                   "weights_valid": engine.refusal() is None,
+                                  "weight_sync": engine.weight_sync,
                                   "awex_workers": [f"/tp/{r}" for r in range(tp_size)]})
 
     async def metrics(request: web.Request) -> web.Response:

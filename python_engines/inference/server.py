@@ -124,6 +124,9 @@ class EngineLoop:
         self.kv_released = False
         self.last_update: dict[str, Any] | None = None
         self.updates = 0
+        #: The weight-sync group every rank holds (``/health`` reports it): ``{"kind": "transfer"
+        #: or "colocate", "pair_name", "transfer_ranks", "failed"}``, None when no rank holds one.
+        self.weight_sync: dict[str, Any] | None = None
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._stop = False
 
@@ -219,7 +222,16 @@ class EngineLoop:
                 self.mark_weights_invalid(f"awex weight update to version {version} failed: {why}")
             else:
                 self.landed(version, start, f"awex {method}")
-        elif method in ("release_memory", "resume_memory") and not errors:
+        if method in ("init_weight_update_group", "init_colocate_weight_update"):
+            self.weight_sync = None if errors else {
+                "kind": "transfer" if method == "init_weight_update_group" else "colocate",
+                "pair_name": kwargs.get("pair_name"), "failed": False,
+                "transfer_ranks": [int(r["value"]["transfer_rank"]) for r in results]}
+        elif method == "teardown_weight_update_group":
+            self.weight_sync = None
+        elif errors and self.weight_sync is not None and method.startswith("execute_"):
+            self.weight_sync = {**self.weight_sync, "failed": True}
+        if method in ("release_memory", "resume_memory") and not errors:
             tags = kwargs.get("tags")
             if tags is None or "kv_cache" in tags:
                 self.kv_released = method == "release_memory"
@@ -236,7 +248,7 @@ class EngineLoop:
         """The ``/metrics`` answer (on the loop)."""
         return {**self.scheduler.metrics(), "version": self.version,
                 "weights_valid": self.weights_error is None, "weights_error": self.weights_error,
-                "kv_cache_released": self.kv_released,
+                "kv_cache_released": self.kv_released, "weight_sync": self.weight_sync,
                 "tp_size": self.worker.tp_size,
                 "updates": self.updates, "last_update": self.last_update}
 
