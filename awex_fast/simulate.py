@@ -77,7 +77,17 @@ def simulate(plan: Plan, train_tensors: Tensors, infer_tensors: Tensors) -> dict
     and a receiver's plan of one bucket disagree."""
     senders: dict[int, tuple[RankPlan, dict[tuple[int, int], Bucket]]] = {}
     stats = {"bytes": 0, "wire_bytes": 0, "buckets": 0, "ops": 0, "pairs": 0}
-    buf = torch.empty(0, dtype=torch.uint8)
+    bufs: dict[torch.device, torch.Tensor] = {}
+
+    def buffer(tensors: Mapping[str, torch.Tensor], nbytes: int) -> torch.Tensor:
+        """A uint8 staging buffer on the device of ``tensors`` (grown, reused)."""
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        buf = bufs.get(device)
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, 2 * (0 if buf is None else buf.numel()))
+            buf = bufs[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
     for q in plan.receivers:
         rp = plan.for_rank(q)
         peers = set()
@@ -90,11 +100,15 @@ def simulate(plan: Plan, train_tensors: Tensors, infer_tensors: Tensors) -> dict
             if sent is None:
                 raise PlanError(f"rank {q} expects bucket {bucket.seq} from rank {s}, which does not plan it")
             _check_same(sent, bucket, s, q)
-            if buf.numel() < bucket.nbytes:
-                buf = torch.empty(max(bucket.nbytes, 2 * buf.numel()), dtype=torch.uint8)
-            wire = buf[: bucket.nbytes]
-            pack_bucket(sent, train_tensors.get(s, {}), wire, s)
-            unpack_bucket(bucket, infer_tensors.get(q, {}), wire, q)
+            src, dst = train_tensors.get(s, {}), infer_tensors.get(q, {})
+            wire = buffer(src, bucket.nbytes)
+            pack_bucket(sent, src, wire, s)
+            landed = buffer(dst, bucket.nbytes)
+            if landed.device != wire.device:  # "the wire": sender's device -> receiver's
+                landed.copy_(wire)
+            else:
+                landed = wire
+            unpack_bucket(bucket, dst, landed, q)
             stats["bytes"] += bucket.payload
             stats["wire_bytes"] += bucket.nbytes
             stats["buckets"] += 1

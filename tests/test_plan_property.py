@@ -97,7 +97,7 @@ def worlds(draw):
     return train, infer, bucket, min_part
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds())
 def test_random_layouts_cover_exactly_and_simulate_bitwise(world):
     train, infer, bucket, min_part = world
@@ -109,7 +109,7 @@ def test_random_layouts_cover_exactly_and_simulate_bitwise(world):
     assert stats["ops"] == st_["ops"] and stats["pairs"] == st_["pairs"]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(worlds(), st.randoms(use_true_random=False))
 def test_random_layouts_are_order_independent(world, rnd):
     train, infer, bucket, min_part = world
