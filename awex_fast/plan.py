@@ -8,15 +8,20 @@ canonicalises and validates them; `Plan.for_rank` costs one native scan of the m
 rank's own ops, which come back as one int64 array (`RankPlan.ops`) wrapped lazily into `Bucket`
 / `Op` objects.
 
-The plan (see csrc/plan/plan_solve.cpp for the details):
+The plan (see csrc/plan/solve.h for the details):
 
 - every element of every inference piece is written exactly once, from a training piece that
   holds it; a region no training piece holds is a `PlanError`;
-- replica balancing is decided per parameter from its metadata alone: a region held by m > 1
-  training pieces is cut into up to m near-equal slabs along its outermost dim (slabs of at
-  least ``MIN_PART_BYTES``; smaller regions go whole to one replica), assigned round robin over
-  the replicas, continuing across the inference replicas of the same box, so every replica sends
-  the same share (+-1 slab) and both sides derive the same choice;
+- replica balancing is decided per parameter from its metadata alone (so both sides derive the
+  same choice and no rank needs the world's plan): a region held by m > 1 training pieces and
+  needed by E inference pieces with the same box (E engines) is cut into
+  ``min(m / gcd(E, m), bytes / min_part_bytes)`` near-equal slabs along its outermost dim, and
+  the E x slabs pieces are dealt round robin over the m holders, continuing from one receiver of
+  the box to the next: every holder sends the same number of slabs (+-1 row). With E >= m
+  (more engines than replicas) queries travel whole, as few ops and peers as possible; with one
+  engine and DP=4 every replica sends a quarter. Regions below ``min_part_bytes`` (default
+  ``MIN_PART_BYTES``) go whole to one holder, rotated per receiver. `Plan.stats` reports the
+  resulting ``imbalance`` next to a lower bound no replica choice can beat;
 - ops of a (sender, receiver) pair are ordered by (parameter in canonical order, destination
   piece, destination cell, slab) and packed greedily into buckets of at most ``bucket_bytes``
   receiver-dtype bytes, each op starting at a multiple of ``OP_ALIGN`` bytes; an op larger than a
