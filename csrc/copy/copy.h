@@ -70,7 +70,8 @@ std::vector<Box> normalize(const int64_t* desc, int64_t n, int max_unit);
 std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n);
 
 // Copies on the CPU with the shared thread pool (the calling thread takes part). Work is split by
-// bytes, not by box count, so one huge box and many tiny ones both use every thread.
+// bytes into slices claimed dynamically, not by box count, so one huge box and many tiny ones
+// both use every thread.
 void copy_cpu(const std::vector<Box>& boxes);
 
 // Threads used by copy_cpu (default: the CPUs this process may run on).

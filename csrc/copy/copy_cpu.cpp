@@ -1,8 +1,8 @@
 // CPU twin of the CUDA copy kernel: the same normalised boxes, copied by the shared thread pool.
 //
-// Work is split by bytes: the boxes are laid end to end in "byte space", each thread takes an
-// equal slice, and a slice boundary may fall inside a box (the box is then resumed mid-row by the
-// next thread). Contiguous innermost runs of bitwise copies are one memcpy each.
+// Work is split by bytes: the boxes are laid end to end in "byte space", cut into ~1 MiB slices
+// that the pool's threads claim dynamically (so a descheduled thread holds nothing up), and a
+// slice boundary may fall inside a box (the box is then resumed mid-row by the next slice). Contiguous innermost runs of bitwise copies are one memcpy each.
 #include <algorithm>
 
 #include "common.h"
@@ -12,7 +12,9 @@
 namespace awex::copy {
 namespace {
 
-constexpr int64_t kMinBytesPerThread = 256 << 10;
+// Work is cut into slices of about this many bytes, claimed dynamically by the pool's threads.
+constexpr int64_t kSliceBytes = 1 << 20;
+constexpr int64_t kMaxSlices = 4096;
 
 template <typename T>
 void strided_raw(const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
@@ -138,10 +140,10 @@ void copy_cpu(const std::vector<Box>& boxes) {
   const int64_t total = start.back();
   if (total == 0) return;
   auto& pool = ThreadPool::instance();
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(pool.size(), total / kMinBytesPerThread)));
-  pool.run(threads, [&](int t) {
-    const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+  const int slices = static_cast<int>(
+      pool.size() == 1 ? 1 : std::clamp<int64_t>(total / kSliceBytes, 1, kMaxSlices));
+  pool.run(slices, [&](int t) {
+    const int64_t lo = total * t / slices, hi = total * (t + 1) / slices;
     size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
     for (; i < boxes.size() && start[i] < hi; ++i) {
       const Box& b = boxes[i];

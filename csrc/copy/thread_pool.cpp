@@ -41,16 +41,20 @@ void ThreadPool::resize(int threads) {
   size_.store(threads);
 }
 
-void ThreadPool::drain() {
-  // Claims tasks until none are left; shared by workers and the caller.
+void ThreadPool::drain(Job& job) {
+  // Claims tasks of this job until none are left; shared by workers and the caller.
   while (true) {
-    const int task = next_.fetch_add(1);
-    if (task >= tasks_) return;
+    const int task = job.next.fetch_add(1);
+    if (task >= job.tasks) return;
     try {
-      (*fn_)(task);
+      (*job.fn)(task);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
+      std::lock_guard<std::mutex> lock(job.mu);
+      if (!job.error) job.error = std::current_exception();
+    }
+    if (job.done.fetch_add(1) + 1 == job.tasks) {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.finished.notify_all();
     }
   }
 }
@@ -58,47 +62,44 @@ void ThreadPool::drain() {
 void ThreadPool::worker_loop() {
   uint64_t seen = 0;
   while (true) {
+    std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
       if (stopping_) return;
       seen = generation_;
+      job = current_;  // keeps the job alive even if the caller has moved on
     }
-    drain();
-    {
-      // Every worker reports every generation, so none can lag into the next job's state.
-      std::lock_guard<std::mutex> lock(mu_);
-      if (++finished_ == static_cast<int>(workers_.size())) done_.notify_all();
-    }
+    if (job) drain(*job);
   }
 }
 
 void ThreadPool::run(int tasks, const std::function<void(int)>& fn) {
   if (tasks <= 0) return;
-  std::unique_lock<std::mutex> job(job_mutex_, std::try_to_lock);
-  if (!job.owns_lock() || tasks == 1 || workers_.empty()) {
+  std::unique_lock<std::mutex> exclusive(job_mutex_, std::try_to_lock);
+  if (!exclusive.owns_lock() || tasks == 1 || workers_.empty()) {
     for (int t = 0; t < tasks; ++t) fn(t);
     return;
   }
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->tasks = tasks;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    fn_ = &fn;
-    tasks_ = tasks;
-    next_.store(0);
-    error_ = nullptr;
-    finished_ = 0;
+    current_ = job;
     ++generation_;
   }
   wake_.notify_all();
-  drain();
-  std::exception_ptr error;
+  drain(*job);
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return finished_ == static_cast<int>(workers_.size()); });
-    fn_ = nullptr;
-    error = error_;
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->finished.wait(lock, [&] { return job->done.load() == job->tasks; });
   }
-  if (error) std::rethrow_exception(error);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    current_.reset();
+  }
+  if (job->error) std::rethrow_exception(job->error);
 }
 
 }  // namespace awex::copy
