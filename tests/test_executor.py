@@ -223,6 +223,9 @@ def test_stalled_sender_times_out_then_a_fresh_group_recovers():
     assert recv["bad_after_recovery"] == [] and recv["version_after"] == 2
 
 
+VANISH_TIMEOUT = 8.0  # generous: a closed connection is usually seen at once, a loaded CI box may lag
+
+
 def _vanishing_peer_worker(rank, world_size, port, vanishing_rank):
     train, infer = layout(1, 1, "float32", "bfloat16", 1)
     plan = build_plan(train, infer, bucket_bytes=512)
@@ -234,7 +237,9 @@ def _vanishing_peer_worker(rank, world_size, port, vanishing_rank):
         0 if is_train else None,
     )
     group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=10)
-    ex = Executor(wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), timeout_s=5.0)
+    ex = Executor(
+        wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), timeout_s=VANISH_TIMEOUT
+    )
     ex.handshake()
     if rank == vanishing_rank:
         return {}  # the process ends mid-protocol: its connections close under its peer
@@ -249,10 +254,10 @@ def _vanishing_peer_worker(rank, world_size, port, vanishing_rank):
 def test_sender_that_vanishes_is_reported_within_twice_the_timeout():
     out = run_world(_vanishing_peer_worker, 2, free_port(), 1, backend=None, timeout=60)
     assert out[0]["error"] is not None and "peer=1" in out[0]["error"]
-    assert out[0]["elapsed"] <= 10.0 and out[0]["version"] is None
+    assert out[0]["elapsed"] <= 2 * VANISH_TIMEOUT and out[0]["version"] is None
 
 
 def test_receiver_that_vanishes_makes_the_sender_raise():
     out = run_world(_vanishing_peer_worker, 2, free_port(), 0, backend=None, timeout=60)
     assert out[1]["error"] is not None and "peer=0" in out[1]["error"]
-    assert out[1]["elapsed"] <= 10.0
+    assert out[1]["elapsed"] <= 2 * VANISH_TIMEOUT
