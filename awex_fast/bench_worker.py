@@ -127,7 +127,8 @@ def _naive(
         torch.empty(biggest, dtype=torch_dtype(spec["train_dtype"]), device=dev) if rank == root else None
     )
     cast_buf = torch.empty(biggest, dtype=inf_dtype, device=dev) if rank == root or rank < n_infer else None
-    nbytes = sum(math.prod(m.global_shape) for m in infer) * inf_dtype.itemsize * n_infer
+    # what this inference rank receives (every full parameter once); the bench sums over ranks
+    nbytes = sum(math.prod(m.global_shape) for m in infer) * inf_dtype.itemsize
     steps = []
     for t_meta, i_meta in zip(train, infer, strict=True):
         holders: dict[tuple, object] = {}
