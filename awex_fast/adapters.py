@@ -44,6 +44,7 @@ engine refuses generation (`require_weights`) until the next update lands in the
 
 from __future__ import annotations
 
+import abc
 import base64
 import contextlib
 import os
@@ -273,7 +274,7 @@ def _default_rank() -> tuple[int, int]:
     return 0, 1
 
 
-class _AdapterBase:
+class _AdapterBase(abc.ABC):
     """What both sides share: KV access, plan, transfer group, executor, warm-up, colocated
     state, memory release. Subclasses provide the tensor source and the send/receive specifics."""
 
@@ -300,12 +301,13 @@ class _AdapterBase:
 
     # --- sources (subclasses) -------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _named(self) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
+        """Canonical name -> local tensor pairs of this worker's source."""
 
+    @abc.abstractmethod
     def get_weight_metadata(self) -> list[ParameterMeta]:
         """This worker's pieces in side-local ranks (see the subclass)."""
-        raise NotImplementedError
 
     def get_local_shard_parameters(self, required_names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Canonical name -> local tensor (``to_local()`` of DTensors), only ``required_names``
@@ -542,7 +544,7 @@ class _AdapterBase:
         self.failed, self.last_error = False, None
         return {"transfer_rank": transfer_rank, "peers": peers}
 
-    def _prepare_colocate(self) -> None:
+    def _prepare_colocate(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Training side: make the local tensors publishable (subclasses move CPU params)."""
 
     # --- memory ---------------------------------------------------------------------------------
@@ -578,8 +580,8 @@ class _AdapterBase:
         with self._lock:
             return self._memory.resume(tags, self._after_resume)
 
-    def _after_resume(self, tag: str) -> None:
-        pass
+    def _after_resume(self, tag: str) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Called after `resume_memory` restored ``tag`` (subclasses republish handles)."""
 
     @contextlib.contextmanager
     def _resident(self) -> Any:
