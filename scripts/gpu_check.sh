@@ -7,7 +7,7 @@
 #   OUT=/tmp/out scripts/gpu_check.sh            # on the GPU machine, from the repo root
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$(pwd)/out}"
+export OUT="${OUT:-$(pwd)/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
