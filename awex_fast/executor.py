@@ -33,7 +33,7 @@ import torch
 
 from awex_fast import copy as afc
 from awex_fast.meta import ParameterMeta
-from awex_fast.transport.base import Pending, TransferError, TransferGroup
+from awex_fast.transport.base import Pending, TransferError, TransferGroup, timedelta
 
 CHECKSUM_BYTES = 8
 _SLOTS = 2  # double buffering
@@ -266,7 +266,7 @@ class Executor:
         for peer in self.peers():
             key = f"plan_digest_rank{peer}"
             try:
-                store.wait([key], _td(self.timeout_s))
+                store.wait([key], timedelta(self.timeout_s))
             except RuntimeError as exc:
                 self.group.abort()
                 raise TransferError("peer never published its plan digest", peer=peer) from exc
@@ -283,7 +283,7 @@ class Executor:
             store.set(f"plan_params_rank{self.rank}", json.dumps(self._fingerprints()))
             key = f"plan_params_rank{peer}"
             try:
-                store.wait([key], _td(self.timeout_s))
+                store.wait([key], timedelta(self.timeout_s))
                 detail = _first_difference(self._fingerprints(), json.loads(store.get(key)), peer)
             except RuntimeError:
                 detail = "the peer did not publish its parameter list"
@@ -449,12 +449,6 @@ def _check_checksum(wire: torch.Tensor, at: int, b: WireBucket, rank: int, versi
             bucket=b.seq,
             version=version,
         )
-
-
-def _td(seconds: float) -> object:
-    from awex_fast.transport.base import timedelta
-
-    return timedelta(seconds)
 
 
 def _first_difference(mine: list[list[str]], theirs: list[list[str]], peer: int) -> str:
