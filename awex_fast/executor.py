@@ -116,7 +116,7 @@ class Executor:
 
     ``buckets``: this rank's WireBuckets (sends and receives), from `wire_buckets(rank_plan)`.
     ``tensors``: canonical name -> local tensor (plain or `to_local()` of a DTensor); boxes index
-    into these. ``device``: where staging lives (default: the tensors' device).
+    into these, and staging lives on their device (one device per executor).
     ``staging_limit_bytes``: cap on staging memory (default 2 x the largest bucket per active
     peer); when two slots per peer do not fit, one slot per peer is used, and if even that does
     not fit, construction raises ValueError.
