@@ -34,7 +34,9 @@ import contextlib
 import hmac
 import json
 import logging
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -482,3 +484,22 @@ class BackgroundServer:
     def __exit__(self, *exc_info: object) -> None:
         """Stop the server."""
         self.stop()
+
+
+async def serve_until_signal(url: str, banner: str, close: Callable[[], Awaitable[Any]]) -> int:
+    """What every ``awex-fast`` server command does once it listens: print ``url`` as the first
+    stdout line (so a parent that asked for port 0 learns the port), ``banner`` on stderr, wait
+    for SIGINT or SIGTERM, then ``await close()``. Returns the exit code 0."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print(url, flush=True)
+        print(banner, file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await close()
+    return 0

@@ -41,7 +41,6 @@ import binascii
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -67,6 +66,7 @@ from awex_fast.httputil import (
     read_json_body,
     request_with_retries,
     serve_app,
+    serve_until_signal,
 )
 
 __all__ = [
@@ -738,21 +738,10 @@ async def _serve_until_signal(server: KVStoreServer) -> int:
         print(f"awex-fast kv-server: cannot listen on {server.host}:{server.requested_port}: {exc}",
               file=sys.stderr)
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        print(server.url, flush=True)
-        print(f"awex-fast kv-server: serving at {server.url} (anonymous reads "
+    banner = (f"awex-fast kv-server: serving at {server.url} (anonymous reads "
               f"{'allowed' if server.allow_anonymous_reads else 'refused'}, body limit "
-              f"{server.max_body_bytes} bytes); SIGINT/SIGTERM stops", file=sys.stderr, flush=True)
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await server.astop()
-    return 0
+              f"{server.max_body_bytes} bytes); SIGINT/SIGTERM stops")
+    return await serve_until_signal(server.url, banner, server.astop)
 
 
 def kv_server_main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,6 @@ import base64
 import concurrent.futures
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -63,6 +62,7 @@ from awex_fast.httputil import (
     read_json_body,
     request_with_retries,
     serve_app,
+    serve_until_signal,
 )
 from awex_fast.kvstore import (
     ADMIN_KEY_ENV,
@@ -722,20 +722,8 @@ async def _serve_gateway(app: web.Application, host: str, port: int) -> int:
         print(f"awex-fast gateway: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
     app[GATEWAY_STATE]["kv_store_url"] = served.url
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        print(served.url, flush=True)
-        print(f"awex-fast gateway: serving at {served.url}; SIGINT/SIGTERM stops", file=sys.stderr,
-              flush=True)
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await served.close()
-    return 0
+    banner = f"awex-fast gateway: serving at {served.url}; SIGINT/SIGTERM stops"
+    return await serve_until_signal(served.url, banner, served.close)
 
 
 def gateway_main(argv: list[str] | None = None) -> int:
