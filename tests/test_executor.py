@@ -134,7 +134,7 @@ def test_many_buckets_overlap_pack_with_transfer_and_verify_checksums():
 
 def _mismatch_worker(rank, world_size, port):
     train, infer = layout(1, 1, "float32", "bfloat16", 1)
-    if rank == 1:  # the training side believes in a different shape for one parameter
+    if rank == 1:  # the training side believes in a different dtype for one parameter
         train = [
             m
             if m.name != "layer.norm.weight"
@@ -166,7 +166,9 @@ def test_mismatched_metadata_refused_on_both_sides_naming_the_parameter():
         assert o["error"] is not None and "layer.norm.weight" in o["error"], o
 
 
-def _fault_worker(rank, world_size, port, timeout_s, second_port):
+def _one_to_one(rank, world_size, port, group_timeout, exec_timeout=None):
+    """Rank 0 infers and rank 1 trains (one small bucketed layout): the metas, this rank's
+    tensors and an executor over a fresh transfer group on ``port``."""
     train, infer = layout(1, 1, "float32", "bfloat16", 1)
     plan = build_plan(train, infer, bucket_bytes=512)
     is_train = rank == 1
@@ -176,10 +178,16 @@ def _fault_worker(rank, world_size, port, timeout_s, second_port):
         torch.float32 if is_train else torch.bfloat16,
         0 if is_train else None,
     )
-    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=timeout_s)
+    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=group_timeout)
     ex = Executor(
-        wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), timeout_s=timeout_s
+        wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), timeout_s=exec_timeout
     )
+    return train, infer, plan, tensors, ex
+
+
+def _fault_worker(rank, world_size, port, timeout_s, second_port):
+    train, infer, plan, tensors, ex = _one_to_one(rank, world_size, port, timeout_s, timeout_s)
+    is_train = rank == 1
     ex.handshake()
     ex.run(0)
     if is_train:
@@ -227,19 +235,7 @@ VANISH_TIMEOUT = 8.0  # generous: a closed connection is usually seen at once, a
 
 
 def _vanishing_peer_worker(rank, world_size, port, vanishing_rank):
-    train, infer = layout(1, 1, "float32", "bfloat16", 1)
-    plan = build_plan(train, infer, bucket_bytes=512)
-    is_train = rank == 1
-    tensors = local_tensors(
-        train if is_train else infer,
-        rank,
-        torch.float32 if is_train else torch.bfloat16,
-        0 if is_train else None,
-    )
-    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=10)
-    ex = Executor(
-        wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), timeout_s=VANISH_TIMEOUT
-    )
+    _, _, _, _, ex = _one_to_one(rank, world_size, port, 10, VANISH_TIMEOUT)
     ex.handshake()
     if rank == vanishing_rank:
         return {}  # the process ends mid-protocol: its connections close under its peer
