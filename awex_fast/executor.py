@@ -27,7 +27,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -94,16 +94,9 @@ class BucketTrace:
 
 @dataclass
 class _Prepared:
-    bucket: WireBucket
-    slot: int
     program: afc.CopyProgram | None  # None: zero-copy, or nothing to pack
     wire: torch.Tensor  # what goes on the wire (a staging slice or the parameter itself)
     checksum_at: int | None = None
-
-
-@dataclass
-class _PeerStaging:
-    slots: list[torch.Tensor] = field(default_factory=list)
 
 
 def _box_view(t: torch.Tensor, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -177,7 +170,7 @@ class Executor:
             )
         return [(sends[k], recvs[k]) for k in sorted(sends)]
 
-    def _allocate_staging(self, limit: int | None) -> tuple[int, dict[tuple[str, int], _PeerStaging]]:
+    def _allocate_staging(self, limit: int | None) -> tuple[int, dict[tuple[str, int], list[torch.Tensor]]]:
         need: dict[tuple[str, int], int] = {}
         for b in (*self._sends, *self._recvs):
             key = (b.role, b.peer)
@@ -196,19 +189,17 @@ class Executor:
         for key, nbytes in need.items():
             # 16-byte multiples keep every slot aligned for vectorised copies.
             size = (nbytes + 15) // 16 * 16
-            staging[key] = _PeerStaging(
-                [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(slots)]
-            )
+            staging[key] = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(slots)]
         return slots, staging
 
     @property
     def staging_bytes(self) -> int:
         """Bytes of staging memory this executor holds."""
-        return sum(s.numel() for st in self._staging.values() for s in st.slots)
+        return sum(s.numel() for st in self._staging.values() for s in st)
 
     def staging_pointers(self) -> list[int]:
         """Data pointers of every staging slot (stable across updates)."""
-        return [s.data_ptr() for st in self._staging.values() for s in st.slots]
+        return [s.data_ptr() for st in self._staging.values() for s in st]
 
     def _storage_ptrs(self) -> dict[str, int]:
         return {n: t.data_ptr() for n, t in self._tensors.items()}
@@ -228,12 +219,11 @@ class Executor:
     def _prepare(self) -> None:
         self._prepared: dict[tuple[str, int, int], _Prepared] = {}
         for b in (*self._sends, *self._recvs):
-            slot = b.seq % self._slots_per_peer
             direct = self._direct_view(b)
             if direct is not None:
-                self._prepared[(b.role, b.peer, b.seq)] = _Prepared(b, slot, None, direct)
+                self._prepared[(b.role, b.peer, b.seq)] = _Prepared(None, direct)
                 continue
-            buf = self._staging[(b.role, b.peer)].slots[slot]
+            buf = self._staging[(b.role, b.peer)][b.seq % self._slots_per_peer]
             views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in b.ops]
             offsets = [op.byte_offset for op in b.ops]
             dtypes = [op.wire_dtype for op in b.ops]
@@ -243,7 +233,7 @@ class Executor:
                 program = afc.scatter_program(buf, offsets, dtypes, views)
             wire_len = b.wire_bytes + (CHECKSUM_BYTES if self.verify else 0)
             self._prepared[(b.role, b.peer, b.seq)] = _Prepared(
-                b, slot, program, buf[:wire_len], b.wire_bytes if self.verify else None
+                program, buf[:wire_len], b.wire_bytes if self.verify else None
             )
         srcs, dsts = [], []
         for send, recv in self._self_pairs:
