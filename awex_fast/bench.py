@@ -106,6 +106,9 @@ def summarize(results: list[dict], spec: dict) -> dict:
     methods = {}
     for m in spec["methods"]:
         per_iter = [max(r["times"][m][i] for r in results) for i in range(spec["iters"])]
+        # CPU seconds of every rank's process (all threads) per sync: on a CPU-bound host this,
+        # not the wire, is what a method spends.
+        cpu_iter = [sum(r["cpu"][m][i] for r in results) for i in range(spec["iters"])]
         nbytes = results[0]["bytes"][m]
         med = statistics.median(per_iter)
         p90 = sorted(per_iter)[min(len(per_iter) - 1, round(0.9 * (len(per_iter) - 1)))]
@@ -115,6 +118,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
             "p90_s": p90,
             "bytes": nbytes,
             "GBps": nbytes / med / 1e9 if med > 0 else 0.0,
+            "cpu_s": statistics.median(cpu_iter),
         }
     ratios = {}
     ours = methods.get("awex_fast")
@@ -153,13 +157,19 @@ def print_table(summary: dict) -> None:
         f"model={lay['model']} layers={lay['layers']} train={lay['train']} ({lay['train_dtype']}) "
         f"infer={lay['infer']} ({lay['dtype']}) bucket={lay['bucket_mb']}MiB backend={lay['backend']}"
     )
-    print(f"{'method':10} {'bytes':>14} {'median s':>9} {'p90 s':>8} {'GB/s':>7}  baseline s / awex_fast s")
+    print(
+        f"{'method':10} {'bytes':>14} {'median s':>9} {'p90 s':>8} {'GB/s':>7} {'cpu s':>6}"
+        "  baseline s / awex_fast s"
+    )
     ours = summary["methods"].get("awex_fast")
     for name, m in summary["methods"].items():
         ratio = ""
         if ours and name != "awex_fast":
             ratio = f"{m['median_s'] / ours['median_s']:.2f}x"
-        print(f"{name:10} {m['bytes']:14,d} {m['median_s']:9.3f} {m['p90_s']:8.3f} {m['GBps']:7.2f}  {ratio}")
+        print(
+            f"{name:10} {m['bytes']:14,d} {m['median_s']:9.3f} {m['p90_s']:8.3f} {m['GBps']:7.2f}"
+            f" {m['cpu_s']:6.2f}  {ratio}"
+        )
     print(
         f"verified bit-exact: {summary['verified']}  ratios: "
         + ", ".join(f"{k}={v:.2f}" for k, v in summary["ratios"].items())

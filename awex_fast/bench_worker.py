@@ -192,7 +192,8 @@ def main(spec_path: str) -> int:
         for p in m.pieces():
             if p.rank == rank:
                 if is_train:
-                    tensors[m.name] = piece_values(m.name, p.global_offset, p.shape, 0).to(dev)
+                    values = piece_values(m.name, p.global_offset, p.shape, 0)
+                    tensors[m.name] = values.to(dev, torch_dtype(spec["train_dtype"]))
                 else:
                     tensors[m.name] = torch.zeros(p.shape, dtype=torch_dtype(spec["dtype"]), device=dev)
     # Transfer rank 0 binds a free port for the group's store and publishes it.
@@ -227,6 +228,7 @@ def main(spec_path: str) -> int:
     if "naive" in spec["methods"]:
         runners["naive"] = _naive(group, rank, spec, train, infer, tensors, dev)
     times: dict[str, list[float]] = {m: [] for m in spec["methods"]}
+    cpu: dict[str, list[float]] = {m: [] for m in spec["methods"]}
     nbytes = {}
     verified, trace = True, []
     for method in spec["methods"]:
@@ -237,10 +239,11 @@ def main(spec_path: str) -> int:
                 for t in tensors.values():
                     t.neg_()  # new weights every sync, same storage
             barrier()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             fn()
             if it > 0:
                 times[method].append(time.perf_counter() - t1)
+                cpu[method].append(time.process_time() - c1)  # every thread of this process
         if method == "awex_fast":
             final_iteration = spec["iters"] + 1  # negations applied so far
             if not is_train:
@@ -251,6 +254,7 @@ def main(spec_path: str) -> int:
     result = {
         "rank": rank,
         "times": times,
+        "cpu": cpu,
         "bytes": {m: _global_bytes(parent, m, nbytes[m], rank, n_infer, world) for m in spec["methods"]},
         "verified": verified,
         "plan": plan.stats() if rank == 0 else {},
@@ -278,7 +282,7 @@ def verify(train: list, infer: list, rank: int, tensors: dict, iteration: int) -
         mine = [p for p in i_meta.pieces() if p.rank == rank]
         if not mine:
             continue
-        full = torch.empty(t_meta.global_shape)
+        full = torch.empty(t_meta.global_shape, dtype=torch_dtype(t_meta.dtype))  # training dtype
         for p in t_meta.pieces():
             full[_box(p.global_offset, p.shape)] = piece_values(
                 t_meta.name, p.global_offset, p.shape, iteration

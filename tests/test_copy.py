@@ -317,3 +317,20 @@ def test_per_view_wire_dtypes():
     afc.pack_at([a, b], buf, [0, 64], [torch.float32, torch.float16])
     assert torch.equal(buf[:60].view(torch.float32), a.reshape(-1))
     assert torch.equal(buf[64:78].view(torch.float16), b.half())
+
+
+def test_random_bit_patterns_cast_like_torch_on_every_vector_tail():
+    # Every float32 bit pattern class (NaN payloads, subnormals, both signs) at lengths that end
+    # mid-vector, so the cloned AVX-512 / AVX2 loops and their scalar tails are all checked.
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64)
+    values = bits.to(torch.int32).view(torch.float32)
+    for n in (1, 15, 17, 31, 33, 1000, 1 << 20):
+        for dst in (torch.bfloat16, torch.float16):
+            out = torch.empty(n, dtype=dst)
+            af.copy.pack([values[:n]], out)
+            assert torch.equal(_bits(out), _bits(values[:n].to(dst))), (n, dst)
+        back = torch.empty(n, dtype=torch.float32)
+        half = values[:n].to(torch.bfloat16)
+        af.copy.unpack(half, [back])
+        assert torch.equal(_bits(back), _bits(half.to(torch.float32))), n
