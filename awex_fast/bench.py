@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-dtype", default="float32")
     p.add_argument("--dtype", default="bfloat16", help="inference dtype")
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--message-kb", type=int, default=None, help="executor message size (KiB)")
+    p.add_argument("--solo-kb", type=int, default=None, help="ops this big travel alone (KiB)")
+    p.add_argument("--copy-threads", type=int, default=None, help="native copy threads per rank")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "native-nccl"])
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
@@ -119,6 +122,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
             "bytes": nbytes,
             "GBps": nbytes / med / 1e9 if med > 0 else 0.0,
             "cpu_s": statistics.median(cpu_iter),
+            "cpu_s_by_rank": [statistics.median(r["cpu"][m]) for r in results],
         }
     ratios = {}
     ours = methods.get("awex_fast")
@@ -234,6 +238,9 @@ def bench_main(argv: list[str] | None = None) -> int:
         "n_infer": n_infer,
         "timeout": args.timeout,
         "trace": bool(args.trace),
+        "message_bytes": args.message_kb << 10 if args.message_kb else None,
+        "solo_bytes": args.solo_kb << 10 if args.solo_kb else None,
+        "copy_threads": args.copy_threads,
     }
     with tempfile.TemporaryDirectory(prefix="awex_bench_") as tmp_name:
         tmp = Path(tmp_name)

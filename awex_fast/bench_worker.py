@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from awex_fast.executor import Executor, torch_dtype, wire_buckets
+from awex_fast.executor import Executor
 from awex_fast.meta import ParameterMeta, ShardRule
 from awex_fast.plan import build_plan
 from awex_fast.transport import init_transfer_group
+from awex_fast.wire import torch_dtype, wire_buckets
 
 
 def train_rule(shape: tuple[int, ...], tp_dim: int | None, fsdp: int, tp: int, base: int) -> ShardRule:
@@ -177,6 +178,10 @@ def main(spec_path: str) -> int:
     )
     barrier = Barrier(parent, world)
     is_train = rank >= n_infer
+    if spec.get("copy_threads"):
+        from awex_fast import copy as afc
+
+        afc.set_num_threads(spec["copy_threads"])
     train, infer = layouts(spec)
     t0 = time.perf_counter()
     plan = build_plan(train, infer, bucket_bytes=spec["bucket_mb"] << 20)
@@ -214,7 +219,14 @@ def main(spec_path: str) -> int:
         parent.wait(["group_port"])
         port = int(parent.get("group_port"))
         group = init_transfer_group(spec["backend"], rank, world, "127.0.0.1", port, timeout)
-    ex = Executor(wire_buckets(rp), tensors, group, digest=plan.digest(), verify=spec["verify"])
+    ex = Executor(
+        wire_buckets(rp),
+        tensors,
+        group,
+        digest=plan.digest(),
+        verify=spec["verify"],
+        **{k: spec[k] for k in ("message_bytes", "solo_bytes") if spec.get(k)},
+    )
     ex.handshake()
     version = [0]
 

@@ -7,17 +7,22 @@ Contract (who calls what, in which order, what a failure leaves behind):
   `handshake()` once: plan digests (and the verify setting) are compared with every peer through
   the group's rendezvous store, and a mismatch makes *both* sides raise `PlanMismatchError`
   naming the first parameter whose metadata differs.
-* Each update, both sides call `run(version)` concurrently. A sender packs bucket k+1 while
-  bucket k is on the wire (two staging slots per peer); buckets to different peers are in
-  flight together. A receiver keeps two receives posted per peer and unpacks bucket k while
-  bucket k+1 arrives. A bucket that is one contiguous op already in the wire dtype is sent from,
-  or received into, the parameter's own memory. Ops whose peer is this rank copy directly.
+* Each update, both sides call `run(version)` concurrently. Every planned bucket is cut into
+  messages (awex_fast.wire): an op of at least ``solo_bytes`` travels alone, in chunks of at
+  most ``message_bytes``, and is sent from / received into the parameter's own memory when that
+  side's box is contiguous in the wire dtype; smaller ops are grouped into staged messages. A
+  sender packs staged message k+1 while message k is on the wire (``slots`` staging slots per
+  peer); a receiver keeps up to ``window`` messages posted per peer and unpacks message k while
+  later ones arrive; all peers are served round-robin. Ops whose peer is this rank copy directly.
 * Every wait is bounded by ``timeout_s``. Any failure raises `TransferError` naming the peer, the
   bucket and the version, aborts the group (it must be re-formed, on a fresh port, before the
   next update), and leaves `version` unchanged: the receiver's version moves only after every
   bucket of the update landed (and, with ``verify=True``, matched its checksum).
 * Staging buffers and copy programs are built once and reused by every update; they are rebuilt
   only if a local tensor's storage moved.
+* ``verify=True``: both sides compute a native checksum of every message; after the last
+  message each sender sends its peer the list, and the receiver compares before it takes the
+  version (zero-copy stays on).
 """
 
 from __future__ import annotations
@@ -34,54 +39,37 @@ import torch
 from awex_fast import copy as afc
 from awex_fast.meta import ParameterMeta
 from awex_fast.transport.base import Pending, TransferError, TransferGroup, timedelta
+from awex_fast.wire import WireBucket, WireMessage, WireOp, messages_by_peer, torch_dtype, wire_buckets
 
-CHECKSUM_BYTES = 8
-_SLOTS = 2  # double buffering
+__all__ = [
+    "Executor",
+    "MessageTrace",
+    "PlanMismatchError",
+    "WireBucket",
+    "WireOp",
+    "metadata_fingerprints",
+    "torch_dtype",
+    "wire_buckets",
+]
+
+_SLOTS = 4  # staging slots per peer: staged message k+1.. are packed while k is on the wire
+_WINDOW = 16  # messages posted ahead per peer (zero-copy receives need no slot)
+MESSAGE_BYTES = 32 << 20
+SOLO_BYTES = 256 << 10
 
 
 class PlanMismatchError(TransferError):
     """Peers planned from different metadata (or settings); names the first differing parameter."""
 
 
-@dataclass(frozen=True)
-class WireOp:
-    """One box of a bucket, seen from this rank: ``offset``/``shape`` address this rank's local
-    tensor ``name``; its bytes sit at ``byte_offset`` of the bucket in ``wire_dtype``."""
-
-    name: str
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    wire_dtype: torch.dtype
-    byte_offset: int
-
-    @property
-    def nbytes(self) -> int:
-        """Packed bytes on the wire."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.wire_dtype.itemsize
-
-
-@dataclass(frozen=True)
-class WireBucket:
-    """One message between this rank and ``peer``: ``role`` is "send" or "recv"; ``seq`` orders
-    the buckets of one (sender, receiver) pair and is the message tag."""
-
-    role: str
-    peer: int
-    seq: int
-    wire_bytes: int
-    ops: tuple[WireOp, ...]
-
-
 @dataclass
-class BucketTrace:
-    """Timestamps (time.perf_counter seconds) of one bucket of one update."""
+class MessageTrace:
+    """Timestamps (time.perf_counter seconds) of one message of one update."""
 
     role: str
     peer: int
-    seq: int
+    seq: int  # the message tag (its index among the pair's messages)
+    bucket: int  # the planner bucket it was cut from
     nbytes: int
     zero_copy: bool
     pack_start: float = 0.0
@@ -94,9 +82,15 @@ class BucketTrace:
 
 @dataclass
 class _Prepared:
-    program: afc.CopyProgram | None  # None: zero-copy, or nothing to pack
-    wire: torch.Tensor  # what goes on the wire (a staging slice or the parameter itself)
-    checksum_at: int | None = None
+    """One message made ready: its wire tensor and, when staged, the copy program and slot."""
+
+    msg: WireMessage
+    wire: torch.Tensor  # bytes on the wire: a staging slot's prefix or the parameter's own memory
+    program: afc.CopyProgram | None  # None: zero-copy
+    slot: int | None  # staging slot index (None: zero-copy)
+
+
+_InFlight = tuple[Pending, _Prepared, MessageTrace]
 
 
 def _box_view(t: torch.Tensor, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -110,9 +104,11 @@ class Executor:
     ``buckets``: this rank's WireBuckets (sends and receives), from `wire_buckets(rank_plan)`.
     ``tensors``: canonical name -> local tensor (plain or `to_local()` of a DTensor); boxes index
     into these, and staging lives on their device (one device per executor).
-    ``staging_limit_bytes``: cap on staging memory (default 2 x the largest bucket per active
-    peer); when two slots per peer do not fit, one slot per peer is used, and if even that does
-    not fit, construction raises ValueError.
+    ``message_bytes`` / ``solo_bytes``: how buckets are cut into messages (awex_fast.wire); both
+    sides must use the same values (the handshake checks).
+    ``staging_limit_bytes``: cap on staging memory (default ``slots`` x the largest staged message
+    per active peer); when that does not fit, fewer slots per peer are used, down to one, and if
+    even one does not fit, construction raises ValueError.
     """
 
     def __init__(
@@ -127,31 +123,51 @@ class Executor:
         staging_limit_bytes: int | None = None,
         zero_copy: bool = True,
         fingerprints: Callable[[], list[tuple[str, str]]] | None = None,
+        message_bytes: int = MESSAGE_BYTES,
+        solo_bytes: int = SOLO_BYTES,
+        slots: int = _SLOTS,
+        window: int = _WINDOW,
     ) -> None:
         self.group = group
         self.rank = group.rank
         self.digest = digest
         self.verify = verify
         self.timeout_s = float(timeout_s if timeout_s is not None else group.timeout_s)
-        self.zero_copy = zero_copy and not verify  # the checksum trailer needs a staging slot
+        self.zero_copy = zero_copy
+        self.message_bytes, self.solo_bytes = int(message_bytes), int(solo_bytes)
+        self.window = max(1, int(window))
         self.version: int | None = None
-        self.trace: list[BucketTrace] = []
+        self.trace: list[MessageTrace] = []
         self._fingerprints = fingerprints
         self._tensors = dict(tensors)
-        self._sends = [b for b in buckets if b.role == "send" and b.peer != self.rank]
-        self._recvs = [b for b in buckets if b.role == "recv" and b.peer != self.rank]
         self._self_pairs = self._match_self_buckets(buckets)
         missing = {op.name for b in buckets for op in b.ops} - set(self._tensors)
         if missing:
             raise KeyError(
                 f"rank {self.rank}: the plan names tensors this rank does not have: {sorted(missing)[:5]}"
             )
+        remote = [b for b in buckets if b.peer != self.rank]
+        self._sends = messages_by_peer(
+            (b for b in remote if b.role == "send"), self.message_bytes, self.solo_bytes
+        )
+        self._recvs = messages_by_peer(
+            (b for b in remote if b.role == "recv"), self.message_bytes, self.solo_bytes
+        )
         self.device = self._pick_device()
-        self._slots_per_peer, self._staging = self._allocate_staging(staging_limit_bytes)
+        self._slots_per_peer, self._staging = self._allocate_staging(max(1, int(slots)), staging_limit_bytes)
+        self._sums = {  # per-message checksums exchanged at the end of an update (verify=True)
+            key: torch.empty(len(msgs), dtype=torch.int64, device=self.device)
+            for key, msgs in self._all_pairs()
+        }
         self._ptrs = self._storage_ptrs()
         self._prepare()
 
     # --- setup ----------------------------------------------------------------------------------
+
+    def _all_pairs(self) -> list[tuple[tuple[str, int], list[WireMessage]]]:
+        return [(("send", p), m) for p, m in self._sends.items()] + [
+            (("recv", p), m) for p, m in self._recvs.items()
+        ]
 
     def _pick_device(self) -> torch.device:
         devices = {t.device for t in self._tensors.values()}
@@ -170,20 +186,31 @@ class Executor:
             )
         return [(sends[k], recvs[k]) for k in sorted(sends)]
 
-    def _allocate_staging(self, limit: int | None) -> tuple[int, dict[tuple[str, int], list[torch.Tensor]]]:
+    def _direct_view(self, m: WireMessage) -> torch.Tensor | None:
+        """The parameter's own memory as the message's wire bytes, when the message allows it."""
+        if not self.zero_copy or not m.solo:
+            return None
+        op = m.ops[0]
+        view = _box_view(self._tensors[op.name], op.offset, op.shape)
+        if view.dtype != op.wire_dtype or not view.is_contiguous() or op.nbytes != m.nbytes:
+            return None
+        return view.reshape(-1)
+
+    def _allocate_staging(
+        self, slots: int, limit: int | None
+    ) -> tuple[int, dict[tuple[str, int], list[torch.Tensor]]]:
         need: dict[tuple[str, int], int] = {}
-        for b in (*self._sends, *self._recvs):
-            key = (b.role, b.peer)
-            need[key] = max(need.get(key, 0), b.wire_bytes + (CHECKSUM_BYTES if self.verify else 0))
-        slots = _SLOTS
-        total = slots * sum(need.values())
-        if limit is not None and total > limit:
-            slots = 1
-            total = sum(need.values())
-            if total > limit:
+        for key, msgs in self._all_pairs():
+            staged = [m.nbytes for m in msgs if self._direct_view(m) is None]
+            if staged:
+                need[key] = max(staged)
+        per_slot = sum(need.values())
+        if limit is not None and slots * per_slot > limit:
+            slots = limit // per_slot if per_slot else slots
+            if slots < 1:
                 raise ValueError(
-                    f"rank {self.rank}: staging needs at least {total} bytes (one bucket per active peer) "
-                    f"but the limit is {limit}; lower bucket_bytes"
+                    f"rank {self.rank}: staging needs at least {per_slot} bytes (one message per active "
+                    f"peer) but the limit is {limit}; lower message_bytes"
                 )
         staging = {}
         for key, nbytes in need.items():
@@ -201,40 +228,39 @@ class Executor:
         """Data pointers of every staging slot (stable across updates)."""
         return [s.data_ptr() for st in self._staging.values() for s in st]
 
+    def zero_copy_fraction(self) -> float:
+        """Share of this rank's message bytes sent from / received into parameter memory."""
+        total = zc = 0
+        for prepared in self._prepared.values():
+            for p in prepared:
+                total += p.msg.nbytes
+                zc += p.msg.nbytes if p.program is None else 0
+        return zc / total if total else 0.0
+
     def _storage_ptrs(self) -> dict[str, int]:
         return {n: t.data_ptr() for n, t in self._tensors.items()}
 
-    def _direct_view(self, b: WireBucket) -> torch.Tensor | None:
-        """The parameter's own memory as the wire buffer, when the bucket allows it."""
-        if not self.zero_copy or len(b.ops) != 1:
-            return None
-        op = b.ops[0]
-        view = _box_view(self._tensors[op.name], op.offset, op.shape)
-        if view.dtype != op.wire_dtype or not view.is_contiguous() or op.byte_offset != 0:
-            return None
-        if op.nbytes != b.wire_bytes:
-            return None
-        return view.reshape(-1)
-
     def _prepare(self) -> None:
-        self._prepared: dict[tuple[str, int, int], _Prepared] = {}
-        for b in (*self._sends, *self._recvs):
-            direct = self._direct_view(b)
-            if direct is not None:
-                self._prepared[(b.role, b.peer, b.seq)] = _Prepared(None, direct)
-                continue
-            buf = self._staging[(b.role, b.peer)][b.seq % self._slots_per_peer]
-            views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in b.ops]
-            offsets = [op.byte_offset for op in b.ops]
-            dtypes = [op.wire_dtype for op in b.ops]
-            if b.role == "send":
-                program = afc.gather_program(views, buf, offsets, dtypes)
-            else:
-                program = afc.scatter_program(buf, offsets, dtypes, views)
-            wire_len = b.wire_bytes + (CHECKSUM_BYTES if self.verify else 0)
-            self._prepared[(b.role, b.peer, b.seq)] = _Prepared(
-                program, buf[:wire_len], b.wire_bytes if self.verify else None
-            )
+        self._prepared: dict[tuple[str, int], list[_Prepared]] = {}
+        for (role, peer), msgs in self._all_pairs():
+            out, staged = [], 0
+            for m in msgs:
+                direct = self._direct_view(m)
+                if direct is not None:
+                    out.append(_Prepared(m, direct, None, None))
+                    continue
+                slot = staged % self._slots_per_peer
+                staged += 1
+                buf = self._staging[(role, peer)][slot]
+                views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in m.ops]
+                offsets = [op.byte_offset for op in m.ops]
+                dtypes = [op.wire_dtype for op in m.ops]
+                if role == "send":
+                    program = afc.gather_program(views, buf, offsets, dtypes)
+                else:
+                    program = afc.scatter_program(buf, offsets, dtypes, views)
+                out.append(_Prepared(m, buf[: m.nbytes], program, slot))
+            self._prepared[(role, peer)] = out
         srcs, dsts = [], []
         for send, recv in self._self_pairs:
             for s_op, r_op in zip(send.ops, recv.ops, strict=True):
@@ -245,13 +271,21 @@ class Executor:
     # --- handshake ------------------------------------------------------------------------------
 
     def peers(self) -> list[int]:
-        """Every other rank this rank exchanges buckets with."""
-        return sorted({b.peer for b in (*self._sends, *self._recvs)})
+        """Every other rank this rank exchanges messages with."""
+        return sorted({*self._sends, *self._recvs})
+
+    def _settings(self) -> dict:
+        return {
+            "digest": self.digest,
+            "verify": self.verify,
+            "message_bytes": self.message_bytes,
+            "solo_bytes": self.solo_bytes,
+        }
 
     def handshake(self) -> None:
         """Compare plan digests and settings with every peer through the rendezvous store."""
         store = self.group.store
-        mine = {"digest": self.digest, "verify": self.verify}
+        mine = self._settings()
         store.set(f"plan_digest_rank{self.rank}", json.dumps(mine))
         for peer in self.peers():
             key = f"plan_digest_rank{peer}"
@@ -267,8 +301,9 @@ class Executor:
     def _raise_mismatch(self, peer: int, theirs: dict, mine: dict) -> None:
         store = self.group.store
         detail = ""
-        if theirs.get("verify") != mine["verify"]:
-            detail = f"verify={mine['verify']} here but verify={theirs.get('verify')} on rank {peer}"
+        settings = [k for k in mine if k != "digest" and theirs.get(k) != mine[k]]
+        if settings:
+            detail = ", ".join(f"{k}={mine[k]} here but {theirs.get(k)} on rank {peer}" for k in settings)
         elif self._fingerprints is not None:
             store.set(f"plan_params_rank{self.rank}", json.dumps(self._fingerprints()))
             key = f"plan_params_rank{peer}"
@@ -292,7 +327,7 @@ class Executor:
             self._prepare()
 
     def run(self, version: int) -> dict:
-        """Send and receive every bucket of this rank for ``version``; on success the receiver's
+        """Send and receive every message of this rank for ``version``; on success the receiver's
         `version` becomes ``version``. Returns {"bytes_sent", "bytes_received", "seconds", ...}."""
         self._revalidate()
         self.trace = []
@@ -312,133 +347,145 @@ class Executor:
             "version": version,
             "bytes_sent": sent,
             "bytes_received": received,
-            "buckets": len(self._sends) + len(self._recvs),
+            "messages": sum(len(m) for _, m in self._all_pairs()),
             "seconds": time.perf_counter() - t0,
             "staging_bytes": self.staging_bytes,
         }
 
-    def _wait(self, pending: Pending, b: WireBucket, version: int) -> None:
+    def _wait(self, pending: Pending, peer: int, role: str, version: int, tag: int | None) -> None:
         try:
             pending.wait(self.timeout_s)
         except (TimeoutError, RuntimeError) as exc:
-            verb = "sending to" if b.role == "send" else "receiving from"
+            verb = "sending to" if role == "send" else "receiving from"
             raise TransferError(
-                f"rank {self.rank} failed {verb} its peer: {exc}", peer=b.peer, bucket=b.seq, version=version
+                f"rank {self.rank} failed {verb} its peer: {exc}", peer=peer, bucket=tag, version=version
+            ) from exc
+
+    def _post(self, role: str, wire: torch.Tensor, peer: int, tag: int, version: int) -> Pending:
+        try:
+            post = self.group.isend if role == "send" else self.group.irecv
+            return post(wire, peer, tag)
+        except RuntimeError as exc:
+            verb = "send" if role == "send" else "post a receive"
+            raise TransferError(
+                f"rank {self.rank} could not {verb}: {exc}", peer=peer, bucket=tag, version=version
             ) from exc
 
     def _run_sends(self, version: int) -> int:
-        by_peer = _rounds(self._sends)
-        inflight: dict[int, deque[tuple[Pending, WireBucket, BucketTrace]]] = {p: deque() for p in by_peer}
+        # Per peer: every posted send in order; the staged ones also hold a slot until done.
+        inflight: dict[int, deque[_InFlight]] = {p: deque() for p in self._sends}
+        busy = {p: [False] * self._slots_per_peer for p in self._sends}
         sent = 0
-        for b in _round_robin(by_peer):
-            q = inflight[b.peer]
-            if len(q) == self._slots_per_peer:  # the slot this bucket reuses must be free
-                self._finish_send(q.popleft(), version)
-            prep = self._prepared[("send", b.peer, b.seq)]
-            tr = BucketTrace("send", b.peer, b.seq, b.wire_bytes, prep.program is None)
+        for peer, prep in _round_robin({p: self._prepared[("send", p)] for p in self._sends}):
+            q = inflight[peer]
+            while len(q) >= self.window or (prep.slot is not None and busy[peer][prep.slot]):
+                self._finish_send(q.popleft(), busy, version)
+            m = prep.msg
+            tr = MessageTrace("send", peer, m.tag, m.bucket, m.nbytes, prep.program is None)
             tr.pack_start = time.perf_counter()
             if prep.program is not None:
                 prep.program.run()
-            if prep.checksum_at is not None:
-                _write_checksum(prep.wire, prep.checksum_at)
+                busy[peer][prep.slot] = True
+            if self.verify:
+                self._sums[("send", peer)][m.tag] = _signed(afc.checksum(prep.wire))
             tr.pack_end = tr.transfer_start = time.perf_counter()
-            try:
-                pending = self.group.isend(prep.wire, b.peer, b.seq)
-            except RuntimeError as exc:
-                raise TransferError(
-                    f"rank {self.rank} could not send: {exc}", peer=b.peer, bucket=b.seq, version=version
-                ) from exc
-            q.append((pending, b, tr))
-            sent += b.wire_bytes
+            q.append((self._post("send", prep.wire, peer, m.tag, version), prep, tr))
+            sent += m.nbytes
         for q in inflight.values():
             while q:
-                self._finish_send(q.popleft(), version)
+                self._finish_send(q.popleft(), busy, version)
+        if self.verify:  # one message of every checksum per peer, after its data
+            for peer, msgs in self._sends.items():
+                pending = self._post("send", self._sums[("send", peer)], peer, len(msgs), version)
+                self._wait(pending, peer, "send", version, len(msgs))
         return sent
 
-    def _finish_send(self, item: tuple[Pending, WireBucket, BucketTrace], version: int) -> None:
-        pending, b, tr = item
-        self._wait(pending, b, version)
+    def _finish_send(
+        self, item: _InFlight, busy: dict[int, list[bool]], version: int
+    ) -> None:
+        pending, prep, tr = item
+        self._wait(pending, tr.peer, "send", version, tr.seq)
+        if prep.slot is not None:
+            busy[tr.peer][prep.slot] = False
         tr.transfer_end = time.perf_counter()
         self.trace.append(tr)
 
-    def _post_recv(self, b: WireBucket, version: int) -> tuple[Pending, WireBucket, BucketTrace]:
-        prep = self._prepared[("recv", b.peer, b.seq)]
-        tr = BucketTrace("recv", b.peer, b.seq, b.wire_bytes, prep.program is None)
-        tr.transfer_start = time.perf_counter()
-        try:
-            return self.group.irecv(prep.wire, b.peer, b.seq), b, tr
-        except RuntimeError as exc:
-            raise TransferError(
-                f"rank {self.rank} could not post a receive: {exc}",
-                peer=b.peer,
-                bucket=b.seq,
-                version=version,
-            ) from exc
-
     def _run_recvs(self, version: int) -> int:
-        by_peer = _rounds(self._recvs)
-        upcoming = {p: deque(bs) for p, bs in by_peer.items()}
-        inflight: dict[int, deque] = {p: deque() for p in by_peer}
-        for p, q in upcoming.items():
-            for _ in range(min(self._slots_per_peer, len(q))):
-                inflight[p].append(self._post_recv(q.popleft(), version))
+        todo = {p: deque(self._prepared[("recv", p)]) for p in self._recvs}
+        inflight: dict[int, deque[_InFlight]] = {p: deque() for p in self._recvs}
+        busy = {p: [False] * self._slots_per_peer for p in self._recvs}
+
+        def post_more(peer: int) -> None:
+            # In order: stop at the first message whose slot still holds an earlier message.
+            q, nxt = inflight[peer], todo[peer]
+            while nxt and len(q) < self.window:
+                prep = nxt[0]
+                if prep.slot is not None:
+                    if busy[peer][prep.slot]:
+                        return
+                    busy[peer][prep.slot] = True
+                nxt.popleft()
+                m = prep.msg
+                tr = MessageTrace("recv", peer, m.tag, m.bucket, m.nbytes, prep.program is None)
+                tr.transfer_start = time.perf_counter()
+                q.append((self._post("recv", prep.wire, peer, m.tag, version), prep, tr))
+
+        for peer in self._recvs:
+            post_more(peer)
+        sums: dict[int, list[int]] = {p: [] for p in self._recvs}
+        join = getattr(self.group, "join_current_stream", None)
         received = 0
-        for b in _round_robin(by_peer):
-            pending, posted, tr = inflight[b.peer].popleft()
-            assert posted is b
-            self._wait(pending, b, version)
+        for peer, _ in _round_robin({p: self._prepared[("recv", p)] for p in self._recvs}):
+            pending, prep, tr = inflight[peer].popleft()  # posted: every earlier message is done
+            self._wait(pending, peer, "recv", version, tr.seq)
             tr.transfer_end = tr.unpack_start = time.perf_counter()
-            prep = self._prepared[("recv", b.peer, b.seq)]
+            if join is not None:
+                join()
+            if self.verify:
+                sums[peer].append(afc.checksum(prep.wire))
+            if prep.program is not None:
+                prep.program.run()
+                busy[peer][prep.slot] = False
+            tr.unpack_end = time.perf_counter()
+            self.trace.append(tr)
+            received += prep.msg.nbytes
+            post_more(peer)
+        if self.verify:
+            self._check_sums(sums, version)
+        return received
+
+    def _check_sums(self, got: dict[int, list[int]], version: int) -> None:
+        """Receive every sender's checksum list and compare it with what arrived."""
+        for peer, msgs in self._recvs.items():
+            buf = self._sums[("recv", peer)]
+            self._wait(self._post("recv", buf, peer, len(msgs), version), peer, "recv", version, len(msgs))
             join = getattr(self.group, "join_current_stream", None)
             if join is not None:
                 join()
-            if prep.checksum_at is not None:
-                _check_checksum(prep.wire, prep.checksum_at, b, self.rank, version)
-            if prep.program is not None:
-                prep.program.run()
-            tr.unpack_end = time.perf_counter()
-            self.trace.append(tr)
-            received += b.wire_bytes
-            if upcoming[b.peer]:  # the slot just unpacked takes the next receive
-                inflight[b.peer].append(self._post_recv(upcoming[b.peer].popleft(), version))
-        return received
+            want = [v & ((1 << 64) - 1) for v in buf.cpu().tolist()]
+            for m, w, g in zip(msgs, want, got[peer], strict=True):
+                if w != g:
+                    raise TransferError(
+                        f"rank {self.rank}: checksum mismatch in message {m.tag} ({g:#x} != sent {w:#x})",
+                        peer=peer,
+                        bucket=m.bucket,
+                        version=version,
+                    )
 
 
-def _rounds(buckets: Iterable[WireBucket]) -> dict[int, list[WireBucket]]:
-    out: dict[int, list[WireBucket]] = {}
-    for b in buckets:
-        out.setdefault(b.peer, []).append(b)
-    for bs in out.values():
-        bs.sort(key=lambda b: b.seq)
-    return dict(sorted(out.items()))
-
-
-def _round_robin(by_peer: Mapping[int, list[WireBucket]]) -> list[WireBucket]:
-    """Bucket k of every peer before bucket k+1 of any: all peers stay in flight together."""
+def _round_robin(by_peer: Mapping[int, list[_Prepared]]) -> list[tuple[int, _Prepared]]:
+    """Message k of every peer before message k+1 of any: all peers stay in flight together."""
     order, k = [], 0
-    longest = max((len(bs) for bs in by_peer.values()), default=0)
+    longest = max((len(ms) for ms in by_peer.values()), default=0)
     while k < longest:
-        order.extend(bs[k] for bs in by_peer.values() if k < len(bs))
+        order.extend((p, ms[k]) for p, ms in by_peer.items() if k < len(ms))
         k += 1
     return order
 
 
-def _write_checksum(wire: torch.Tensor, at: int) -> None:
-    value = afc.checksum(wire, at)
-    signed = value - (1 << 64) if value >= 1 << 63 else value  # int64 two's complement of the u64
-    wire[at : at + CHECKSUM_BYTES].copy_(torch.tensor([signed], dtype=torch.int64).view(torch.uint8))
-
-
-def _check_checksum(wire: torch.Tensor, at: int, b: WireBucket, rank: int, version: int) -> None:
-    want = int(wire[at : at + CHECKSUM_BYTES].cpu().view(torch.int64).item()) & ((1 << 64) - 1)
-    got = afc.checksum(wire, at)
-    if got != want:
-        raise TransferError(
-            f"rank {rank}: checksum mismatch ({got:#x} != sent {want:#x})",
-            peer=b.peer,
-            bucket=b.seq,
-            version=version,
-        )
+def _signed(value: int) -> int:
+    """The int64 two's complement of a u64 (checksums travel in an int64 tensor)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _first_difference(mine: list[list[str]], theirs: list[list[str]], peer: int) -> str:
@@ -463,39 +510,3 @@ def metadata_fingerprints(sides: Iterable[tuple[str, Iterable[ParameterMeta]]]) 
             text = json.dumps([list(m.global_shape), m.dtype, pieces])
             out.append((f"{side}:{m.name}", hashlib.sha1(text.encode()).hexdigest()[:16]))
     return sorted(out)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a dtype name of the metadata ("bfloat16", "float8_e4m3fn", ...)."""
-    dtype = getattr(torch, name, None)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    raise ValueError(f"unknown dtype name {name!r}")
-
-
-def wire_buckets(rank_plan: object) -> list[WireBucket]:
-    """This rank's buckets as the executor consumes them, read from the RankPlan's raw op and
-    bucket arrays in one pass (sends address the sender's local boxes, receives the receiver's)."""
-    from awex_fast import plan as P
-
-    ops, names, nd_max = rank_plan.ops.tolist(), rank_plan.names, rank_plan.max_ndim
-    dtypes = [torch_dtype(n) if hasattr(torch, n) else None for n in P.DTYPES]
-    b0 = P.OP_BOXES
-    out = []
-    for kind, peer, seq, begin, count, nbytes, _payload in rank_plan.buckets.tolist():
-        send = kind == P.SEND
-        wire_ops = []
-        for row in ops[begin : begin + count]:
-            nd = row[P.OP_NDIM]
-            at = b0 if send else b0 + nd_max
-            wire_ops.append(
-                WireOp(
-                    names[row[P.OP_PARAM]],
-                    tuple(row[at : at + nd]),
-                    tuple(row[b0 + 2 * nd_max : b0 + 2 * nd_max + nd]),
-                    dtypes[row[P.OP_DST_DTYPE]],
-                    row[P.OP_BYTE_OFFSET],
-                )
-            )
-        out.append(WireBucket("send" if send else "recv", peer, seq, nbytes, tuple(wire_ops)))
-    return out
