@@ -8,7 +8,10 @@ TCPStore the parent hosts. Every method is timed on the same processes in the sa
 * ``raw``: the transport's own bound: each (sender, receiver) pair of the plan sends one
   contiguous buffer of the bytes that pair carries, all pairs concurrently;
 * ``naive``: what frameworks do today: each full parameter is gathered on training rank 0 and
-  sent to every inference rank, one parameter at a time.
+  sent to every inference rank, one parameter at a time;
+* ``awex``: Awex 0.9's own plan and execution (awex_fast.awex_baseline) over a gloo world of the
+  same processes, when awex is importable. Awex cannot cast, so it sends training weights
+  already in the inference dtype (copies made before timing), and the table says so.
 
 After the timed iterations the inference weights are checked bit-exactly against the training
 weights cast to the inference dtype (regenerated independently from their seeds).
@@ -27,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ("awex_fast", "raw", "naive")
+METHODS = ("awex_fast", "raw", "naive", "awex")
 
 
 def parse_kv(text: str, keys: dict[str, int]) -> dict[str, int]:
@@ -58,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-threads", type=int, default=None, help="native copy threads per rank")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "native-nccl"])
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of " + ", ".join(METHODS) + " (default: all; awex only where it is installed)",
+    )
     p.add_argument("--verify", action="store_true", help="per-bucket checksums (costs time)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of latency per method (matplotlib)")
@@ -130,6 +137,10 @@ def summarize(results: list[dict], spec: dict) -> dict:
         ratios["vs_raw"] = methods["raw"]["median_s"] / ours["median_s"]
     if ours and "naive" in methods:
         ratios["vs_naive"] = methods["naive"]["median_s"] / ours["median_s"]
+    if ours and "awex" in methods:
+        ratios["vs_awex"] = methods["awex"]["median_s"] / ours["median_s"]
+        if spec["train_dtype"] != spec["dtype"]:
+            methods["awex"]["note"] = f"{spec['dtype']} training weights (Awex cannot cast)"
     verified = all(r.get("verified", True) for r in results)
     return {
         "layout": {
@@ -172,7 +183,7 @@ def print_table(summary: dict) -> None:
             ratio = f"{m['median_s'] / ours['median_s']:.2f}x"
         print(
             f"{name:10} {m['bytes']:14,d} {m['median_s']:9.3f} {m['p90_s']:8.3f} {m['GBps']:7.2f}"
-            f" {m['cpu_s']:6.2f}  {ratio}"
+            f" {m['cpu_s']:6.2f}  {ratio}" + (f"  [{m['note']}]" if m.get("note") else "")
         )
     print(
         f"verified bit-exact: {summary['verified']}  ratios: "
@@ -208,10 +219,17 @@ def bench_main(argv: list[str] | None = None) -> int:
 
     train = parse_kv(args.train, {"fsdp": 1, "tp": 1})
     infer = parse_kv(args.infer, {"tp": 1, "engines": 1})
-    methods = [m for m in args.methods.split(",") if m]
+    from awex_fast.awex_baseline import awex_available
+
+    if args.methods is None:
+        methods = [m for m in METHODS if m != "awex" or awex_available()]
+    else:
+        methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if "awex" in methods and not awex_available():
+        raise SystemExit("--methods awex: awex is not importable here (pip install awex==0.9.0, see README)")
     store = dist.TCPStore(
         "127.0.0.1",
         0,

@@ -168,6 +168,29 @@ def _naive(
     return run, nbytes
 
 
+def _awex(
+    parent: dist.Store, rank: int, spec: dict, train: list, infer: list, tensors: dict, nbytes: int
+) -> tuple[callable, int]:
+    """Awex 0.9's plan and execution over a default gloo world of the same processes. Awex cannot
+    cast, so its training side sends copies of the training weights in the inference dtype
+    (made here, untimed)."""
+    from awex_fast.awex_baseline import AwexSync, awex_plan
+
+    world, n_infer = spec["world"], spec["n_infer"]
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("awex_world/", parent),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=spec["timeout"]),
+    )
+    plan = awex_plan(train, infer, rank, n_infer, world - n_infer, spec["infer"]["engines"])
+    is_train = rank >= n_infer
+    dtype = torch_dtype(spec["dtype"])
+    mine = {n: t.to(dtype) for n, t in tensors.items()} if is_train else tensors
+    return AwexSync(plan, mine, is_train).run, nbytes
+
+
 def main(spec_path: str) -> int:
     """Run one rank of the bench and write its result JSON."""
     spec = json.loads(Path(spec_path).read_text())
@@ -239,6 +262,8 @@ def main(spec_path: str) -> int:
         runners["raw"] = _raw(group, rp, dev)
     if "naive" in spec["methods"]:
         runners["naive"] = _naive(group, rank, spec, train, infer, tensors, dev)
+    if "awex" in spec["methods"]:
+        runners["awex"] = _awex(parent, rank, spec, train, infer, tensors, rp.recv_bytes)
     times: dict[str, list[float]] = {m: [] for m in spec["methods"]}
     cpu: dict[str, list[float]] = {m: [] for m in spec["methods"]}
     nbytes = {}
@@ -261,8 +286,12 @@ def main(spec_path: str) -> int:
             if not is_train:
                 verified = verify(train, infer, rank, tensors, final_iteration)
             trace = [vars(t) for t in ex.trace]
+        if method == "awex" and not is_train:  # Awex resent the iteration-0 weights every time
+            verified = verify(train, infer, rank, tensors, 0) and verified
     barrier()
     group.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     result = {
         "rank": rank,
         "times": times,

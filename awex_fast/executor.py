@@ -12,8 +12,10 @@ Contract (who calls what, in which order, what a failure leaves behind):
   most ``message_bytes``, and is sent from / received into the parameter's own memory when that
   side's box is contiguous in the wire dtype; smaller ops are grouped into staged messages. A
   sender packs staged message k+1 while message k is on the wire (``slots`` staging slots per
-  peer); a receiver keeps up to ``window`` messages posted per peer and unpacks message k while
-  later ones arrive; all peers are served round-robin. Ops whose peer is this rank copy directly.
+  peer); a receiver keeps up to ``window`` messages posted per peer (default: every one that
+  needs no slot, plus one per free slot) and unpacks staged message k while later ones arrive;
+  all peers are served round-robin, both sides in tag order (NCCL matches in issue
+  order). Ops whose peer is this rank copy directly.
 * Every wait is bounded by ``timeout_s``. Any failure raises `TransferError` naming the peer, the
   bucket and the version, aborts the group (it must be re-formed, on a fresh port, before the
   next update), and leaves `version` unchanged: the receiver's version moves only after every
@@ -53,7 +55,7 @@ __all__ = [
 ]
 
 _SLOTS = 4  # staging slots per peer: staged message k+1.. are packed while k is on the wire
-_WINDOW = 16  # messages posted ahead per peer (zero-copy receives need no slot)
+_WINDOW: int | None = None  # messages posted ahead per peer (None: all; zero-copy needs no slot)
 MESSAGE_BYTES = 32 << 20
 SOLO_BYTES = 256 << 10
 
@@ -126,7 +128,7 @@ class Executor:
         message_bytes: int = MESSAGE_BYTES,
         solo_bytes: int = SOLO_BYTES,
         slots: int = _SLOTS,
-        window: int = _WINDOW,
+        window: int | None = _WINDOW,
     ) -> None:
         self.group = group
         self.rank = group.rank
@@ -135,7 +137,7 @@ class Executor:
         self.timeout_s = float(timeout_s if timeout_s is not None else group.timeout_s)
         self.zero_copy = zero_copy
         self.message_bytes, self.solo_bytes = int(message_bytes), int(solo_bytes)
-        self.window = max(1, int(window))
+        self.window = max(1, int(window)) if window is not None else 1 << 62
         self.version: int | None = None
         self.trace: list[MessageTrace] = []
         self._fingerprints = fingerprints
@@ -432,7 +434,7 @@ class Executor:
 
         for peer in self._recvs:
             post_more(peer)
-        sums: dict[int, list[int]] = {p: [] for p in self._recvs}
+        sums: dict[int, list[int]] = {p: [0] * len(ms) for p, ms in self._recvs.items()}  # by tag
         join = getattr(self.group, "join_current_stream", None)
         received = 0
         for peer, _ in _round_robin({p: self._prepared[("recv", p)] for p in self._recvs}):
@@ -442,7 +444,7 @@ class Executor:
             if join is not None:
                 join()
             if self.verify:
-                sums[peer].append(afc.checksum(prep.wire))
+                sums[peer][prep.msg.tag] = afc.checksum(prep.wire)
             if prep.program is not None:
                 prep.program.run()
                 busy[peer][prep.slot] = False

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from awex_fast.awex_baseline import awex_available, quiet_awex_logs, to_awex
 from awex_fast.layouts.synthetic import parse_infer, parse_train, world_metas
 from awex_fast.meta import metas_from_json, metas_to_json
 from awex_fast.models import model_spec
@@ -75,63 +76,17 @@ def timed(fn: Callable[[], Any], samples: int, warmup: int = 1) -> tuple[dict[st
 # Awex 0.9
 
 
-def awex_available() -> bool:
-    """True when awex (0.9) and its transfer planner import here."""
-    try:
-        from awex.transfer.transfer_plan import TransferPlanBuilder  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def to_awex(metas: list, rank_base: int, engine_ranks: int | None = None) -> list:
-    """awex_fast metas (rules) -> Awex ParameterMeta with replicas. Inference: engine 0's pieces
-    only (``engine_ranks`` = ranks per engine), in engine-local ranks, as Awex expects; training:
-    training-local ranks (transfer rank - ``rank_base``)."""
-    import torch
-    from awex.meta.weight_meta import ParameterMeta, ParameterReplicaMeta, ParameterShardMeta
-
-    out = []
-    for m in metas:
-        dtype = getattr(torch, m.dtype)
-        replicas = []
-        for rule in m.rules:
-            total = rule.total_chunks
-            for j in range(rule.replicas):
-                shards = []
-                for c in rule.nonempty_cells(m.global_shape):
-                    r = rule.ranks[j * total + c]
-                    if engine_ranks is not None and r >= engine_ranks:
-                        continue
-                    off, shape = rule.cell_box(m.global_shape, c)
-                    shards.append(ParameterShardMeta(
-                        tp_rank=0, attn_tp_rank=0, pp_rank=0, ep_rank=0, ep_tp_rank=0,
-                        global_rank=r - rank_base, world_size=0, engine_rank=0, name=m.name,
-                        shape=shape, numel=0, dtype=dtype, global_offset=off,
-                    ))  # fmt: skip
-                if shards:
-                    replicas.append(ParameterReplicaMeta(shards=shards))
-        flat = [s for r in replicas for s in r.shards]
-        out.append(ParameterMeta(name=m.name, global_numel=0, global_shape=m.global_shape, dtype=dtype,
-                                 shards=flat, replicas=replicas))  # fmt: skip
-    return out
-
-
 def bench_awex(train: list, infer: list, I: int, T: int, engines: int, tp: int, ranks: list[int],
                samples: int) -> dict[str, Any]:  # fmt: skip
     """Awex 0.9 per-rank planning for ``ranks`` (transfer ranks) on the same layout."""
-    from awex import logging as alog
     from awex.transfer.transfer_plan import TransferPlanBuilder
 
-    alog._default_level = alog.LogLevel.ERROR
-    for lg in alog._loggers.values():
-        lg.setLevel("ERROR")
+    quiet_awex_logs()
     t0 = time.perf_counter()
     a_train, a_infer = to_awex(train, I), to_awex(infer, 0, engine_ranks=tp)
     res: dict[str, Any] = {"convert_s": time.perf_counter() - t0, "ranks": {}}
     builder = TransferPlanBuilder(infer_world_size=I, train_world_size=T, num_infer_engines=engines)
-    for lg in alog._loggers.values():
-        lg.setLevel("ERROR")
+    quiet_awex_logs()
     for r in ranks:
         t, plan = timed(lambda r=r: builder.build_local_transfer_plan(a_infer, a_train, r), samples, warmup=0)
         t["ops"] = sum(len(v) for v in plan.operations.values())

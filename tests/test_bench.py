@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from awex_fast.awex_baseline import awex_available
 from awex_fast.bench import bench_main
 
 
@@ -13,9 +16,10 @@ def test_bench_runs_every_method_and_verifies(tmp_path, capsys):
     assert rc == 0
     summary = json.loads(out.read_text())
     assert summary["verified"] is True
-    assert set(summary["methods"]) == {"awex_fast", "raw", "naive"}
+    with_awex = {"awex"} if awex_available() else set()  # the default adds Awex where installed
+    assert set(summary["methods"]) == {"awex_fast", "raw", "naive"} | with_awex
     assert summary["methods"]["awex_fast"]["bytes"] == summary["methods"]["raw"]["bytes"] > 0
-    assert set(summary["ratios"]) == {"vs_raw", "vs_naive"}
+    assert set(summary["ratios"]) == {"vs_raw", "vs_naive"} | {"vs_" + m for m in with_awex}
     assert "verified bit-exact: True" in capsys.readouterr().out
 
 
@@ -38,3 +42,22 @@ def test_bench_2d_layout_with_checksums(tmp_path):
     ]
     assert bench_main(args) == 0
     assert json.loads(out.read_text())["verified"] is True
+
+
+def test_awex_baseline_runs_its_own_plan_and_lands_bit_exact(tmp_path):
+    # Only where Awex 0.9 is installed (README, "Baselines"): its plan and batch_send_recv over a
+    # gloo world of the bench's own processes, checked like awex_fast's result.
+    pytest.importorskip("awex")
+    out = tmp_path / "bench.json"
+    args = ["--model", "tiny-moe", "--iters", "1", "--methods", "awex_fast,awex", "--json", str(out)]
+    assert bench_main(args) == 0
+    summary = json.loads(out.read_text())
+    assert summary["verified"] is True
+    assert "vs_awex" in summary["ratios"]
+    assert summary["methods"]["awex"]["bytes"] == summary["methods"]["awex_fast"]["bytes"]
+    assert "cannot cast" in summary["methods"]["awex"]["note"]
+
+
+def test_unknown_or_unavailable_methods_are_refused():
+    with pytest.raises(SystemExit, match="unknown methods"):
+        bench_main(["--methods", "awex_fast,fastest"])

@@ -83,7 +83,7 @@ def check_pieces(metas, rank: int, tensors, version: int) -> list[str]:
     return bad
 
 
-def _sync_worker(rank, world_size, port, n_infer, tp, bucket_bytes, updates, verify):
+def _sync_worker(rank, world_size, port, n_infer, tp, bucket_bytes, updates, verify, cut=None):
     n_train = world_size - n_infer
     train, infer = layout(n_infer, n_train, "float32", "bfloat16", tp)
     plan = build_plan(train, infer, bucket_bytes=bucket_bytes)
@@ -95,7 +95,14 @@ def _sync_worker(rank, world_size, port, n_infer, tp, bucket_bytes, updates, ver
         0 if is_train else None,
     )
     group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=60)
-    ex = Executor(wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), verify=verify)
+    ex = Executor(
+        wire_buckets(plan.for_rank(rank)),
+        tensors,
+        group,
+        digest=plan.digest(),
+        verify=verify,
+        **(cut or {}),
+    )
     ex.handshake()
     pointers = ex.staging_pointers()
     bad, traces = [], []
@@ -109,7 +116,13 @@ def _sync_worker(rank, world_size, port, n_infer, tp, bucket_bytes, updates, ver
         traces.append([vars(t) for t in ex.trace])
         assert ex.staging_pointers() == pointers, "staging buffers were reallocated"
     group.close()
-    return {"bad": bad, "version": ex.version, "trace": traces[-1], "staging": ex.staging_bytes}
+    return {
+        "bad": bad,
+        "version": ex.version,
+        "trace": traces[-1],
+        "staging": ex.staging_bytes,
+        "zero_copy": ex.zero_copy_fraction(),
+    }
 
 
 def test_fsdp_chunks_to_two_tp2_engines_cast_bit_exact_over_ten_updates():
@@ -130,6 +143,19 @@ def test_many_buckets_overlap_pack_with_transfer_and_verify_checksums():
         for a, b in itertools.pairwise(mine):
             overlapped += b["pack_start"] < a["transfer_end"]
     assert overlapped >= 2
+
+
+def test_zero_copy_and_chunked_messages_with_checksums_bit_exact():
+    # Tiny message limits: ops of >= 64 bytes travel alone in chunks of <= 96 bytes, so the same
+    # message is zero-copy on one side and staged on the other (bf16 receivers are contiguous;
+    # f32 senders must cast) while small ops share staged messages; checksums cover both kinds.
+    cut = {"message_bytes": 96, "solo_bytes": 64}
+    out = run_world(_sync_worker, 5, free_port(), 3, 1, 1 << 20, 3, True, cut, backend=None, timeout=240)
+    assert all(o["bad"] == [] for o in out), [o["bad"] for o in out]
+    receivers, senders = out[:3], out[3:]
+    assert all(o["zero_copy"] > 0.5 for o in receivers), [o["zero_copy"] for o in receivers]
+    assert all(o["zero_copy"] == 0.0 for o in senders)  # f32 -> bf16 always packs
+    assert max(t["nbytes"] for o in out for t in o["trace"]) <= 96
 
 
 def _mismatch_worker(rank, world_size, port):
