@@ -7,6 +7,8 @@ TCPStore the parent hosts. Every method is timed on the same processes in the sa
 * ``awex_fast``: the planned, bucketed, double-buffered executor (casting to the inference dtype);
 * ``raw``: the transport's own bound: each (sender, receiver) pair of the plan sends one
   contiguous buffer of the bytes that pair carries, all pairs concurrently;
+* ``raw_cast`` (when the training dtype differs): ``raw`` after each sender casts its buffers
+  from the training dtype in one contiguous native copy, the bound for any method that casts;
 * ``naive``: what frameworks do today: each full parameter is gathered on training rank 0 and
   sent to every inference rank, one parameter at a time;
 * ``awex``: Awex 0.9's own plan and execution (awex_fast.awex_baseline) over a gloo world of the
@@ -30,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ("awex_fast", "raw", "naive", "awex")
+METHODS = ("awex_fast", "raw", "raw_cast", "naive", "awex")
 
 
 def parse_kv(text: str, keys: dict[str, int]) -> dict[str, int]:
@@ -135,6 +137,8 @@ def summarize(results: list[dict], spec: dict) -> dict:
     ours = methods.get("awex_fast")
     if ours and "raw" in methods:
         ratios["vs_raw"] = methods["raw"]["median_s"] / ours["median_s"]
+    if ours and "raw_cast" in methods:
+        ratios["vs_raw_cast"] = methods["raw_cast"]["median_s"] / ours["median_s"]
     if ours and "naive" in methods:
         ratios["vs_naive"] = methods["naive"]["median_s"] / ours["median_s"]
     if ours and "awex" in methods:
@@ -223,6 +227,8 @@ def bench_main(argv: list[str] | None = None) -> int:
 
     if args.methods is None:
         methods = [m for m in METHODS if m != "awex" or awex_available()]
+        if args.train_dtype == args.dtype:  # nothing to cast: raw_cast would be raw again
+            methods.remove("raw_cast")
     else:
         methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)

@@ -96,15 +96,34 @@ class Barrier:
             time.sleep(0.0005)
 
 
-def _raw(group: object, rp: object, dev: torch.device) -> tuple[callable, int]:
-    """Each (sender, receiver) pair sends one contiguous buffer of the bytes it carries."""
+def _raw(
+    group: object,
+    rp: object,
+    dev: torch.device,
+    cast_from: torch.dtype | None = None,
+    to: torch.dtype | None = None,
+) -> tuple[callable, int]:
+    """Each (sender, receiver) pair sends one contiguous buffer of the bytes it carries. With
+    ``cast_from`` (the ``raw_cast`` method) each sender first casts that buffer from the training
+    dtype in one contiguous native copy: the bound for any method that must cast."""
+    from awex_fast import copy as afc
+
     pair_bytes: dict[tuple[str, int], int] = {}
     for role, buckets in (("send", rp.sends), ("recv", rp.recvs)):
         for b in buckets:
             pair_bytes[(role, b.peer)] = pair_bytes.get((role, b.peer), 0) + b.payload
     bufs = {k: torch.empty(n, dtype=torch.uint8, device=dev) for k, n in pair_bytes.items()}
+    casts = []
+    if cast_from is not None:
+        for (role, _), buf in bufs.items():
+            if role == "send":
+                wire = buf[: buf.numel() // to.itemsize * to.itemsize].view(to)
+                src = torch.randn(wire.numel(), device=dev).to(cast_from)
+                casts.append(afc.direct_program([src], [wire]))
 
     def run() -> None:
+        for program in casts:
+            program.run()
         pending = [
             (group.isend if role == "send" else group.irecv)(buf, peer, 0)
             for (role, peer), buf in bufs.items()
@@ -260,6 +279,9 @@ def main(spec_path: str) -> int:
     runners = {"awex_fast": (sync, rp.recv_bytes)}
     if "raw" in spec["methods"]:
         runners["raw"] = _raw(group, rp, dev)
+    if "raw_cast" in spec["methods"]:
+        cast_from, to = torch_dtype(spec["train_dtype"]), torch_dtype(spec["dtype"])
+        runners["raw_cast"] = _raw(group, rp, dev, cast_from, to)
     if "naive" in spec["methods"]:
         runners["naive"] = _naive(group, rank, spec, train, infer, tensors, dev)
     if "awex" in spec["methods"]:

@@ -17,9 +17,12 @@ def test_bench_runs_every_method_and_verifies(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert summary["verified"] is True
     with_awex = {"awex"} if awex_available() else set()  # the default adds Awex where installed
-    assert set(summary["methods"]) == {"awex_fast", "raw", "naive"} | with_awex
-    assert summary["methods"]["awex_fast"]["bytes"] == summary["methods"]["raw"]["bytes"] > 0
-    assert set(summary["ratios"]) == {"vs_raw", "vs_naive"} | {"vs_" + m for m in with_awex}
+    assert set(summary["methods"]) == {"awex_fast", "raw", "raw_cast", "naive"} | with_awex
+    methods = summary["methods"]
+    assert methods["awex_fast"]["bytes"] == methods["raw"]["bytes"] == methods["raw_cast"]["bytes"] > 0
+    assert set(summary["ratios"]) == {"vs_raw", "vs_raw_cast", "vs_naive"} | {
+        "vs_" + m for m in with_awex
+    }
     assert "verified bit-exact: True" in capsys.readouterr().out
 
 
