@@ -44,3 +44,11 @@ std::string concat(const Parts&... parts) {
                                                   "]"));                                        \
     }                                                                                           \
   } while (0)
+
+// Clones a hot loop for x86-64-v4 (AVX-512) and v3 (AVX2) next to the baseline build, picked at
+// load time by the CPU (GCC function multiversioning); a no-op elsewhere.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define AWEX_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define AWEX_CPU_CLONES
+#endif

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -334,3 +335,29 @@ def test_random_bit_patterns_cast_like_torch_on_every_vector_tail():
         half = values[:n].to(torch.bfloat16)
         af.copy.unpack(half, [back])
         assert torch.equal(_bits(back), _bits(half.to(torch.float32))), n
+
+
+def _mix64(x):
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def test_checksum_matches_its_definition_computed_independently():
+    # sum over 8-byte little-endian words w_i of mix64(w_i ^ mix64(i + golden)), plus the tail
+    # word and mix64(nbytes), mod 2**64: recomputed with numpy, so the vectorised native loop
+    # (AVX-512 / AVX2 clones) is checked against the definition, not against itself.
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (100_003,), generator=gen, dtype=torch.uint8)
+    raw = data.numpy().tobytes()
+    n = len(raw) // 8
+    with np.errstate(over="ignore"):
+        words = np.frombuffer(raw[: n * 8], dtype="<u8").copy()
+        idx = np.arange(n + 1, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        tail = np.frombuffer(raw[n * 8 :] + bytes(8 - (len(raw) - n * 8)), dtype="<u8").copy()
+        terms = _mix64(np.concatenate([words, tail]) ^ _mix64(idx))
+        want = int(terms.sum(dtype=np.uint64)) + int(_mix64(np.array([len(raw)], dtype=np.uint64))[0])
+    assert afc.checksum(data) == want % (1 << 64)

@@ -45,15 +45,9 @@ void run_raw(const Box& b, const char* s, char* d, int64_t n, int64_t ss, int64_
 }
 
 // The two contiguous casts of the RL hot path, written branch-free so the compiler vectorises
-// them, and cloned for AVX-512 / AVX2 with a run-time pick (the wheel's baseline is SSE2, where
-// the f32 -> bf16 loop reaches half of memory bandwidth). Plain integer arithmetic, not
-// VCVTNEPS2BF16: that instruction flushes denormals, torch's cast does not.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define AWEX_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define AWEX_CPU_CLONES
-#endif
-
+// them, and cloned for AVX-512 / AVX2 with a run-time pick (AWEX_CPU_CLONES; the wheel's
+// baseline is SSE2, where the f32 -> bf16 loop reaches half of memory bandwidth). Plain integer
+// arithmetic, not VCVTNEPS2BF16: that instruction flushes denormals, torch's cast does not.
 AWEX_CPU_CLONES
 void f32_to_bf16_contig(const uint32_t* __restrict sp, uint16_t* __restrict dp, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
