@@ -54,7 +54,7 @@ __all__ = [
     "wire_buckets",
 ]
 
-_SLOTS = 4  # staging slots per peer: staged message k+1.. are packed while k is on the wire
+_SLOTS = 2  # staging slots per peer: staged message k+1 is packed while k is on the wire
 _WINDOW: int | None = None  # messages posted ahead per peer (None: all; zero-copy needs no slot)
 MESSAGE_BYTES = 32 << 20
 SOLO_BYTES = 256 << 10
