@@ -66,18 +66,22 @@ def make_case(name: str, device: str) -> tuple[list[torch.Tensor], int]:
     return views, sum(v.numel() * v.element_size() for v in views)
 
 
-def run_case(name: str, device: str, samples: int) -> dict:
-    """Times for one case: baseline, pack/unpack through programs and through the plain API."""
+def run_case(name: str, device: str, samples: int, wire: torch.dtype = torch.float32) -> dict:
+    """Times for one case: baseline, pack/unpack through programs and through the plain API.
+
+    ``wire`` other than float32 makes pack a cast (float32 views -> ``wire`` bucket) and unpack
+    the cast back; the baseline is then torch's own contiguous cast of the same element count."""
     views, nbytes = make_case(name, device)
-    out = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    src_flat, dst_flat = torch.randn(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+    numel = nbytes // 4
+    out = torch.empty(numel, dtype=wire, device=device)
+    src_flat, dst_flat = torch.randn(numel, device=device), torch.empty(numel, dtype=wire, device=device)
     offsets, acc = [], 0
     for v in views:
         offsets.append(acc)
-        acc += v.numel() * 4
+        acc += v.numel() * wire.itemsize
     buf = out.view(torch.uint8)
-    pack_prog = afc.gather_program(views, buf, offsets, torch.float32)
-    unpack_prog = afc.scatter_program(buf, offsets, torch.float32, views)
+    pack_prog = afc.gather_program(views, buf, offsets, wire)
+    unpack_prog = afc.scatter_program(buf, offsets, wire, views)
     t = {
         "baseline_copy": bench(lambda: dst_flat.copy_(src_flat), device, samples),
         "pack_program": bench(pack_prog.run, device, samples),
@@ -103,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=7)
     p.add_argument("--json", default=None)
     p.add_argument("--cases", default="a_4x64MiB,b_4096x64KiB,c_8192sq_8colblocks")
+    p.add_argument(
+        "--wire-dtype", default="float32", help="bfloat16 / float16: pack casts (baseline: torch's cast)"
+    )
     args = p.parse_args(argv)
-    results = [run_case(c, args.device, args.samples) for c in args.cases.split(",")]
-    print(f"device={args.device} threads={afc.num_threads()} build={af.build_info()}")
+    wire = getattr(torch, args.wire_dtype)
+    results = [run_case(c, args.device, args.samples, wire) for c in args.cases.split(",")]
+    print(f"device={args.device} wire={args.wire_dtype} threads={afc.num_threads()} build={af.build_info()}")
     print(
         f"{'case':22} {'copy_ GB/s':>10} {'pack':>7} {'unpack':>7} {'pack()':>7} {'unpack()':>8} (x copy_)"
     )
