@@ -4,7 +4,7 @@ Contract (who calls what, in which order, what a failure leaves behind):
 
 * Every rank of the transfer world builds the same plan from the same metadata, creates an
   `Executor` over its own `RankPlan`, its local tensors and the `TransferGroup`, and calls
-  `handshake()` once: plan digests (and the verify setting) are compared with every peer through
+  `handshake()` once: plan digests (and the verify and message settings) are compared with every peer through
   the group's rendezvous store, and a mismatch makes *both* sides raise `PlanMismatchError`
   naming the first parameter whose metadata differs.
 * Each update, both sides call `run(version)` concurrently. Every planned bucket is cut into
@@ -354,23 +354,36 @@ class Executor:
             "staging_bytes": self.staging_bytes,
         }
 
-    def _wait(self, pending: Pending, peer: int, role: str, version: int, tag: int | None) -> None:
+    def _wait(
+        self, pending: Pending, peer: int, role: str, version: int, tag: int, bucket: int | None
+    ) -> None:
+        """Wait for one message; ``bucket`` None marks the closing checksum message."""
         try:
             pending.wait(self.timeout_s)
         except (TimeoutError, RuntimeError) as exc:
-            verb = "sending to" if role == "send" else "receiving from"
+            verb = "sending" if role == "send" else "receiving"
+            what = f"message {tag}" if bucket is not None else "the checksum list"
+            direction = "to" if role == "send" else "from"
             raise TransferError(
-                f"rank {self.rank} failed {verb} its peer: {exc}", peer=peer, bucket=tag, version=version
+                f"rank {self.rank} failed {verb} {what} ({direction} its peer): {exc}",
+                peer=peer,
+                bucket=bucket,
+                version=version,
             ) from exc
 
-    def _post(self, role: str, wire: torch.Tensor, peer: int, tag: int, version: int) -> Pending:
+    def _post(
+        self, role: str, wire: torch.Tensor, peer: int, tag: int, version: int, bucket: int | None
+    ) -> Pending:
         try:
             post = self.group.isend if role == "send" else self.group.irecv
             return post(wire, peer, tag)
         except RuntimeError as exc:
-            verb = "send" if role == "send" else "post a receive"
+            verb = "send" if role == "send" else "post a receive for"
             raise TransferError(
-                f"rank {self.rank} could not {verb}: {exc}", peer=peer, bucket=tag, version=version
+                f"rank {self.rank} could not {verb} message {tag}: {exc}",
+                peer=peer,
+                bucket=bucket,
+                version=version,
             ) from exc
 
     def _run_sends(self, version: int) -> int:
@@ -391,22 +404,22 @@ class Executor:
             if self.verify:
                 self._sums[("send", peer)][m.tag] = _signed(afc.checksum(prep.wire))
             tr.pack_end = tr.transfer_start = time.perf_counter()
-            q.append((self._post("send", prep.wire, peer, m.tag, version), prep, tr))
+            q.append((self._post("send", prep.wire, peer, m.tag, version, m.bucket), prep, tr))
             sent += m.nbytes
         for q in inflight.values():
             while q:
                 self._finish_send(q.popleft(), busy, version)
         if self.verify:  # one message of every checksum per peer, after its data
             for peer, msgs in self._sends.items():
-                pending = self._post("send", self._sums[("send", peer)], peer, len(msgs), version)
-                self._wait(pending, peer, "send", version, len(msgs))
+                pending = self._post("send", self._sums[("send", peer)], peer, len(msgs), version, None)
+                self._wait(pending, peer, "send", version, len(msgs), None)
         return sent
 
     def _finish_send(
         self, item: _InFlight, busy: dict[int, list[bool]], version: int
     ) -> None:
         pending, prep, tr = item
-        self._wait(pending, tr.peer, "send", version, tr.seq)
+        self._wait(pending, tr.peer, "send", version, tr.seq, tr.bucket)
         if prep.slot is not None:
             busy[tr.peer][prep.slot] = False
         tr.transfer_end = time.perf_counter()
@@ -430,7 +443,7 @@ class Executor:
                 m = prep.msg
                 tr = MessageTrace("recv", peer, m.tag, m.bucket, m.nbytes, prep.program is None)
                 tr.transfer_start = time.perf_counter()
-                q.append((self._post("recv", prep.wire, peer, m.tag, version), prep, tr))
+                q.append((self._post("recv", prep.wire, peer, m.tag, version, m.bucket), prep, tr))
 
         for peer in self._recvs:
             post_more(peer)
@@ -439,7 +452,7 @@ class Executor:
         received = 0
         for peer, _ in _round_robin({p: self._prepared[("recv", p)] for p in self._recvs}):
             pending, prep, tr = inflight[peer].popleft()  # posted: every earlier message is done
-            self._wait(pending, peer, "recv", version, tr.seq)
+            self._wait(pending, peer, "recv", version, tr.seq, tr.bucket)
             tr.transfer_end = tr.unpack_start = time.perf_counter()
             if join is not None:
                 join()
@@ -460,7 +473,8 @@ class Executor:
         """Receive every sender's checksum list and compare it with what arrived."""
         for peer, msgs in self._recvs.items():
             buf = self._sums[("recv", peer)]
-            self._wait(self._post("recv", buf, peer, len(msgs), version), peer, "recv", version, len(msgs))
+            pending = self._post("recv", buf, peer, len(msgs), version, None)
+            self._wait(pending, peer, "recv", version, len(msgs), None)
             join = getattr(self.group, "join_current_stream", None)
             if join is not None:
                 join()
