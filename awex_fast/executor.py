@@ -4,8 +4,8 @@ Contract (who calls what, in which order, what a failure leaves behind):
 
 * Every rank of the transfer world builds the same plan from the same metadata, creates an
   `Executor` over its own `RankPlan`, its local tensors and the `TransferGroup`, and calls
-  `handshake()` once: plan digests (and the verify and message settings) are compared with every peer through
-  the group's rendezvous store, and a mismatch makes *both* sides raise `PlanMismatchError`
+  `handshake()` once: plan digests (and the verify and message settings) are compared with every
+  peer through the group's rendezvous store, and a mismatch makes *both* sides raise `PlanMismatchError`
   naming the first parameter whose metadata differs.
 * Each update, both sides call `run(version)` concurrently. Every planned bucket is cut into
   messages (awex_fast.wire): an op of at least ``solo_bytes`` travels alone, in chunks of at
@@ -21,7 +21,7 @@ Contract (who calls what, in which order, what a failure leaves behind):
   next update), and leaves `version` unchanged: the receiver's version moves only after every
   bucket of the update landed (and, with ``verify=True``, matched its checksum).
 * Staging buffers and copy programs are built once and reused by every update; they are rebuilt
-  only if a local tensor's storage moved.
+  (and which messages go zero-copy is decided again) only if a local tensor's storage moved.
 * ``verify=True``: both sides compute a native checksum of every message; after the last
   message each sender sends its peer the list, and the receiver compares before it takes the
   version (zero-copy stays on).
@@ -156,10 +156,11 @@ class Executor:
             (b for b in remote if b.role == "recv"), self.message_bytes, self.solo_bytes
         )
         self.device = self._pick_device()
-        self._slots_per_peer, self._staging = self._allocate_staging(max(1, int(slots)), staging_limit_bytes)
-        self._sums = {  # per-message checksums exchanged at the end of an update (verify=True)
+        self._slots, self._staging_limit = max(1, int(slots)), staging_limit_bytes
+        self._sums = {  # per-message checksums exchanged at the end of an update
             key: torch.empty(len(msgs), dtype=torch.int64, device=self.device)
             for key, msgs in self._all_pairs()
+            if verify
         }
         self._ptrs = self._storage_ptrs()
         self._prepare()
@@ -199,13 +200,16 @@ class Executor:
         return view.reshape(-1)
 
     def _allocate_staging(
-        self, slots: int, limit: int | None
+        self, direct: Mapping[tuple[str, int], list[torch.Tensor | None]]
     ) -> tuple[int, dict[tuple[str, int], list[torch.Tensor]]]:
+        """Slots per peer and the staging slots of every pair with a staged message (``direct``:
+        each pair's messages' zero-copy views, None where the message is staged)."""
         need: dict[tuple[str, int], int] = {}
         for key, msgs in self._all_pairs():
-            staged = [m.nbytes for m in msgs if self._direct_view(m) is None]
+            staged = [m.nbytes for m, view in zip(msgs, direct[key], strict=True) if view is None]
             if staged:
                 need[key] = max(staged)
+        slots, limit = self._slots, self._staging_limit
         per_slot = sum(need.values())
         if limit is not None and slots * per_slot > limit:
             slots = limit // per_slot if per_slot else slots
@@ -243,13 +247,15 @@ class Executor:
         return {n: t.data_ptr() for n, t in self._tensors.items()}
 
     def _prepare(self) -> None:
+        """Decide zero-copy per message, allocate staging for the rest, build the copy programs."""
+        direct = {key: [self._direct_view(m) for m in msgs] for key, msgs in self._all_pairs()}
+        self._slots_per_peer, self._staging = self._allocate_staging(direct)
         self._prepared: dict[tuple[str, int], list[_Prepared]] = {}
         for (role, peer), msgs in self._all_pairs():
             out, staged = [], 0
-            for m in msgs:
-                direct = self._direct_view(m)
-                if direct is not None:
-                    out.append(_Prepared(m, direct, None, None))
+            for m, view in zip(msgs, direct[(role, peer)], strict=True):
+                if view is not None:
+                    out.append(_Prepared(m, view, None, None))
                     continue
                 slot = staged % self._slots_per_peer
                 staged += 1

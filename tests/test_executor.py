@@ -158,6 +158,43 @@ def test_zero_copy_and_chunked_messages_with_checksums_bit_exact():
     assert max(t["nbytes"] for o in out for t in o["trace"]) <= 96
 
 
+def _moved_storage_worker(rank, world_size, port):
+    # Receiver tensors are re-allocated between updates, 2-D ones as transposed (non-contiguous)
+    # storage: messages that went zero-copy must now be staged, and staging must grow for them.
+    train, infer = layout(1, 1, "float32", "bfloat16", 1)
+    plan = build_plan(train, infer, bucket_bytes=1 << 20)
+    is_train = rank == 1
+    dtype = torch.float32 if is_train else torch.bfloat16
+    tensors = local_tensors(train if is_train else infer, rank, dtype, 0 if is_train else None)
+    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=60)
+    cut = {"message_bytes": 96, "solo_bytes": 64}
+    ex = Executor(wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), **cut)
+    ex.handshake()
+    ex.run(0)
+    before = ex.zero_copy_fraction()
+    bad = []
+    if is_train:
+        for name, t in local_tensors(train, rank, torch.float32, 1).items():
+            tensors[name].copy_(t)
+    else:
+        bad += check_pieces(infer, rank, tensors, 0)
+        for t in tensors.values():
+            if t.dim() == 2:
+                t.data = torch.zeros(t.shape[::-1], dtype=t.dtype).t()
+    ex.run(1)
+    if not is_train:
+        bad += [f"v1:{n}" for n in check_pieces(infer, rank, tensors, 1)]
+    group.close()
+    return {"bad": bad, "before": before, "after": ex.zero_copy_fraction()}
+
+
+def test_moved_storage_rebuilds_programs_and_staging_bit_exact():
+    out = run_world(_moved_storage_worker, 2, free_port(), backend=None, timeout=120)
+    assert all(o["bad"] == [] for o in out), [o["bad"] for o in out]
+    receiver = out[0]
+    assert receiver["after"] < receiver["before"], receiver  # zero-copy messages became staged
+
+
 def _mismatch_worker(rank, world_size, port):
     train, infer = layout(1, 1, "float32", "bfloat16", 1)
     if rank == 1:  # the training side believes in a different dtype for one parameter
