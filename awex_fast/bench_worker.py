@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from awex_fast import copy as afc
 from awex_fast.executor import Executor
 from awex_fast.meta import ParameterMeta, ShardRule
 from awex_fast.plan import build_plan
@@ -106,8 +107,6 @@ def _raw(
     """Each (sender, receiver) pair sends one contiguous buffer of the bytes it carries. With
     ``cast_from`` (the ``raw_cast`` method) each sender first casts that buffer from the training
     dtype in one contiguous native copy: the bound for any method that must cast."""
-    from awex_fast import copy as afc
-
     pair_bytes: dict[tuple[str, int], int] = {}
     for role, buckets in (("send", rp.sends), ("recv", rp.recvs)):
         for b in buckets:
@@ -221,8 +220,6 @@ def main(spec_path: str) -> int:
     barrier = Barrier(parent, world)
     is_train = rank >= n_infer
     if spec.get("copy_threads"):
-        from awex_fast import copy as afc
-
         afc.set_num_threads(spec["copy_threads"])
     train, infer = layouts(spec)
     t0 = time.perf_counter()

@@ -71,7 +71,8 @@ class WireMessage:
 
 
 def _chunks(op: WireOp, limit: int) -> list[WireOp]:
-    """``op`` cut into sub-boxes of at most ``limit`` wire bytes where rows allow, in wire order.
+    """``op`` cut into sub-boxes of at most ``limit`` wire bytes where rows allow, in wire order
+    (each travels as a message of its own, so its byte offset is left to the caller).
 
     Only the first dimension larger than 1 is split (the dimensions before it are 1), so every
     sub-box is a contiguous byte range of the op's packed layout; a single row larger than the
@@ -91,7 +92,6 @@ def _chunks(op: WireOp, limit: int) -> list[WireOp]:
             op,
             offset=(*op.offset[:d], op.offset[d] + r0, *op.offset[d + 1 :]),
             shape=(*op.shape[:d], r1 - r0, *op.shape[d + 1 :]),
-            byte_offset=op.byte_offset + r0 * row_bytes,
         )
         out.extend(_chunks(sub, limit) if r1 - r0 == 1 and row_bytes > limit else [sub])
     return out
