@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -58,6 +59,11 @@ _SLOTS = 2  # staging slots per peer: staged message k+1 is packed while k is on
 _WINDOW: int | None = None  # messages posted ahead per peer (None: all; zero-copy needs no slot)
 MESSAGE_BYTES = 32 << 20
 SOLO_BYTES = 256 << 10
+# Over a group with shared slots (ipc) every message is packed into the receiver's slot and
+# unpacked from it: nothing is zero-copy, so ops are only cut to fit a slot, and small messages
+# keep the slots cache-sized; more slots let a sender run further ahead of a busy receiver.
+SHARED_MESSAGE_BYTES = 4 << 20
+SHARED_SLOTS = 4
 
 
 class PlanMismatchError(TransferError):
@@ -108,6 +114,10 @@ class Executor:
     into these, and staging lives on their device (one device per executor).
     ``message_bytes`` / ``solo_bytes``: how buckets are cut into messages (awex_fast.wire); both
     sides must use the same values (the handshake checks).
+    Over a group with shared slots (the ``ipc`` backend) nothing is staged by this executor:
+    each message is packed straight into the receiver's shared slot (``slots`` per pair, default
+    4, each as large as the pair's largest message) and unpacked straight out of it, and
+    ``message_bytes`` defaults to 4 MiB.
     ``staging_limit_bytes``: cap on staging memory (default ``slots`` x the largest staged message
     per active peer); when that does not fit, fewer slots per peer are used, down to one, and if
     even one does not fit, construction raises ValueError.
@@ -125,9 +135,9 @@ class Executor:
         staging_limit_bytes: int | None = None,
         zero_copy: bool = True,
         fingerprints: Callable[[], list[tuple[str, str]]] | None = None,
-        message_bytes: int = MESSAGE_BYTES,
-        solo_bytes: int = SOLO_BYTES,
-        slots: int = _SLOTS,
+        message_bytes: int | None = None,
+        solo_bytes: int | None = None,
+        slots: int | None = None,
         window: int | None = _WINDOW,
     ) -> None:
         self.group = group
@@ -135,7 +145,15 @@ class Executor:
         self.digest = digest
         self.verify = verify
         self.timeout_s = float(timeout_s if timeout_s is not None else group.timeout_s)
-        self.zero_copy = zero_copy
+        # A group that offers shared slots (awex_fast.transport.ipc) is written into directly.
+        self.shared = callable(getattr(group, "channel", None))
+        self.zero_copy = zero_copy and not self.shared
+        if message_bytes is None:
+            message_bytes = SHARED_MESSAGE_BYTES if self.shared else MESSAGE_BYTES
+        if solo_bytes is None:
+            solo_bytes = message_bytes if self.shared else SOLO_BYTES
+        if slots is None:
+            slots = SHARED_SLOTS if self.shared else _SLOTS
         self.message_bytes, self.solo_bytes = int(message_bytes), int(solo_bytes)
         self.window = max(1, int(window)) if window is not None else 1 << 62
         self.version: int | None = None
@@ -163,6 +181,11 @@ class Executor:
             if verify
         }
         self._ptrs = self._storage_ptrs()
+        self._channels: dict[tuple[str, int], object] = {}  # shared mode: the pair's channel
+        self._chunk_base: dict[tuple[str, int], int] = {}  # shared mode: chunk number of tag 0
+        self._prepared: dict[tuple[str, int], list[_Prepared]] = {}
+        self._staging: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._slots_per_peer = self._slots
         self._prepare()
 
     # --- setup ----------------------------------------------------------------------------------
@@ -247,7 +270,13 @@ class Executor:
         return {n: t.data_ptr() for n, t in self._tensors.items()}
 
     def _prepare(self) -> None:
-        """Decide zero-copy per message, allocate staging for the rest, build the copy programs."""
+        """Decide zero-copy per message, allocate staging for the rest, build the copy programs
+        (shared mode: the programs write into / read from the channels' slots, once they exist)."""
+        if self.shared:
+            self._prepare_self()
+            if self._channels:
+                self._prepare_shared()
+            return
         direct = {key: [self._direct_view(m) for m in msgs] for key, msgs in self._all_pairs()}
         self._slots_per_peer, self._staging = self._allocate_staging(direct)
         self._prepared: dict[tuple[str, int], list[_Prepared]] = {}
@@ -269,6 +298,52 @@ class Executor:
                     program = afc.scatter_program(buf, offsets, dtypes, views)
                 out.append(_Prepared(m, buf[: m.nbytes], program, slot))
             self._prepared[(role, peer)] = out
+        self._prepare_self()
+
+    def _prepare_shared(self) -> None:
+        """Copy programs between every message's boxes and its slot of the pair's channel (message
+        ``tag`` uses slot ``tag % slots``; see `_run_shared`)."""
+        self._prepared = {}
+        for (role, peer), msgs in self._all_pairs():
+            chan = self._channels[(role, peer)]
+            out = []
+            for m in msgs:
+                slot = m.tag % chan.slots
+                buf = chan.slot(slot)
+                views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in m.ops]
+                offsets = [op.byte_offset for op in m.ops]
+                dtypes = [op.wire_dtype for op in m.ops]
+                if role == "send":
+                    program = afc.gather_program(views, buf, offsets, dtypes)
+                else:
+                    program = afc.scatter_program(buf, offsets, dtypes, views)
+                out.append(_Prepared(m, buf[: m.nbytes], program, slot))
+            self._prepared[(role, peer)] = out
+
+    def _open_channels(self) -> None:
+        """Shared mode: each pair's channel (receivers create theirs, senders map them; every
+        slot holds the pair's largest message), then the programs over their slots."""
+        if not self.shared or self._channels:
+            return
+        for role, peer in sorted(self._all_pairs_keys(), key=lambda k: k[0] != "recv"):
+            msgs = self._sends[peer] if role == "send" else self._recvs[peer]
+            try:
+                chan = self.group.channel(peer, role, "exec", self._slots, max(m.nbytes for m in msgs))
+            except (TimeoutError, RuntimeError) as exc:
+                raise TransferError(f"rank {self.rank} could not open its channel: {exc}", peer=peer) from exc
+            self._channels[(role, peer)] = chan
+            self._chunk_base[(role, peer)] = 0
+        self._staging = {
+            key: [chan.slot(i) for i in range(chan.slots)]
+            for key, chan in self._channels.items()
+            if key[0] == "recv"  # a receiver owns its channel's slots
+        }
+        self._prepare_shared()
+
+    def _all_pairs_keys(self) -> list[tuple[str, int]]:
+        return [key for key, _ in self._all_pairs()]
+
+    def _prepare_self(self) -> None:
         srcs, dsts = [], []
         for send, recv in self._self_pairs:
             for s_op, r_op in zip(send.ops, recv.ops, strict=True):
@@ -288,6 +363,7 @@ class Executor:
             "verify": self.verify,
             "message_bytes": self.message_bytes,
             "solo_bytes": self.solo_bytes,
+            "shared": self.shared,
         }
 
     def handshake(self) -> None:
@@ -305,6 +381,11 @@ class Executor:
             theirs = json.loads(store.get(key))
             if theirs != mine:
                 self._raise_mismatch(peer, theirs, mine)
+        try:  # shared mode: map every channel now, so a dead peer shows before the first update
+            self._open_channels()
+        except TransferError:
+            self.group.abort()
+            raise
 
     def _raise_mismatch(self, peer: int, theirs: dict, mine: dict) -> None:
         store = self.group.store
@@ -337,14 +418,27 @@ class Executor:
     def run(self, version: int) -> dict:
         """Send and receive every message of this rank for ``version``; on success the receiver's
         `version` becomes ``version``. Returns {"bytes_sent", "bytes_received", "seconds", ...}."""
+        if self.shared:
+            try:
+                self._open_channels()
+            except TransferError:
+                self.group.abort()
+                raise
         self._revalidate()
         self.trace = []
         t0 = time.perf_counter()
         try:
             if self._self_program is not None:
                 self._self_program.run()
-            sent = self._run_sends(version) if self._sends else 0
-            received = self._run_recvs(version) if self._recvs else 0
+            if self.shared:
+                sent = self._run_shared_sends(version) if self._sends else 0
+                received = self._run_shared_recvs(version) if self._recvs else 0
+                for key, msgs in self._all_pairs():  # next update: tag 0 in slot 0 again
+                    slots = self._channels[key].slots
+                    self._chunk_base[key] += -(-len(msgs) // slots) * slots
+            else:
+                sent = self._run_sends(version) if self._sends else 0
+                received = self._run_recvs(version) if self._recvs else 0
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         except TransferError:
@@ -364,8 +458,14 @@ class Executor:
         self, pending: Pending, peer: int, role: str, version: int, tag: int, bucket: int | None
     ) -> None:
         """Wait for one message; ``bucket`` None marks the closing checksum message."""
+        self._bounded(lambda: pending.wait(self.timeout_s), peer, role, version, tag, bucket)
+
+    def _bounded(
+        self, step: Callable[[], object], peer: int, role: str, version: int, tag: int, bucket: int | None
+    ) -> object:
+        """Run one bounded wait (``step``), turning its failure into a TransferError."""
         try:
-            pending.wait(self.timeout_s)
+            return step()
         except (TimeoutError, RuntimeError) as exc:
             verb = "sending" if role == "send" else "receiving"
             what = f"message {tag}" if bucket is not None else "the checksum list"
@@ -471,6 +571,65 @@ class Executor:
             self.trace.append(tr)
             received += prep.msg.nbytes
             post_more(peer)
+        if self.verify:
+            self._check_sums(sums, version)
+        return received
+
+    def _run_shared_sends(self, version: int) -> int:
+        """Shared mode: pack every message straight into its slot of the receiver's channel
+        (waiting for the slot to be free), publish it, and finally wait until all were read."""
+        sent = 0
+        for peer, prep in _round_robin({p: self._prepared[("send", p)] for p in self._sends}):
+            chan, m = self._channels[("send", peer)], prep.msg
+            n = self._chunk_base[("send", peer)] + m.tag
+            tr = MessageTrace("send", peer, m.tag, m.bucket, m.nbytes, False)
+            self._bounded(partial(chan.acquire, n, self.timeout_s), peer, "send", version, m.tag, m.bucket)
+            tr.pack_start = time.perf_counter()
+            prep.program.run()
+            if self.verify:
+                self._sums[("send", peer)][m.tag] = _signed(afc.checksum(prep.wire))
+            tr.pack_end = tr.transfer_start = time.perf_counter()
+            chan.publish(n, m.nbytes, m.tag)
+            tr.transfer_end = tr.transfer_start
+            self.trace.append(tr)
+            sent += m.nbytes
+        for peer, msgs in self._sends.items():  # a receiver that dies now still fails the update
+            chan, end = self._channels[("send", peer)], self._chunk_base[("send", peer)] + len(msgs)
+            drain = partial(chan.drain, end, self.timeout_s)
+            self._bounded(drain, peer, "send", version, len(msgs) - 1, msgs[-1].bucket)
+        if self.verify:
+            for peer, msgs in self._sends.items():
+                pending = self._post("send", self._sums[("send", peer)], peer, len(msgs), version, None)
+                self._wait(pending, peer, "send", version, len(msgs), None)
+        return sent
+
+    def _run_shared_recvs(self, version: int) -> int:
+        """Shared mode: wait for every message in its slot, unpack it from there, free the slot."""
+        sums: dict[int, list[int]] = {p: [0] * len(ms) for p, ms in self._recvs.items()}
+        received = 0
+        for peer, prep in _round_robin({p: self._prepared[("recv", p)] for p in self._recvs}):
+            chan, m = self._channels[("recv", peer)], prep.msg
+            n = self._chunk_base[("recv", peer)] + m.tag
+            tr = MessageTrace("recv", peer, m.tag, m.bucket, m.nbytes, False)
+            tr.transfer_start = time.perf_counter()
+            wait = partial(chan.wait_ready, n, self.timeout_s)
+            got, tag = self._bounded(wait, peer, "recv", version, m.tag, m.bucket)
+            if tag != m.tag or got.numel() != m.nbytes:
+                raise TransferError(
+                    f"rank {self.rank} expected message {m.tag} of {m.nbytes} bytes but its peer published "
+                    f"message {tag} of {got.numel()} bytes",
+                    peer=peer,
+                    bucket=m.bucket,
+                    version=version,
+                )
+            tr.transfer_end = tr.unpack_start = time.perf_counter()
+            if self.verify:
+                sums[peer][m.tag] = afc.checksum(prep.wire)
+            prep.program.run()
+            chan.release(n)
+            tr.unpack_end = time.perf_counter()
+            self.trace.append(tr)
+            received += m.nbytes
         if self.verify:
             self._check_sums(sums, version)
         return received

@@ -17,6 +17,9 @@ namespace comm {
 void register_apis(py::module_& m);
 void register_ipc_apis(py::module_& m);
 }
+namespace shm {
+void register_apis(py::module_& m);
+}
 }  // namespace awex
 
 namespace {
@@ -43,4 +46,5 @@ PYBIND11_MODULE(_C, m) {
   awex::plan::register_apis(m);
   awex::comm::register_apis(m);
   awex::comm::register_ipc_apis(m);
+  awex::shm::register_apis(m);
 }

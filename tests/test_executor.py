@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import torch
 from _dist import run_world
 from _jobs import free_port
@@ -83,7 +84,9 @@ def check_pieces(metas, rank: int, tensors, version: int) -> list[str]:
     return bad
 
 
-def _sync_worker(rank, world_size, port, n_infer, tp, bucket_bytes, updates, verify, cut=None):
+def _sync_worker(
+    rank, world_size, port, n_infer, tp, bucket_bytes, updates, verify, cut=None, backend="gloo"
+):
     n_train = world_size - n_infer
     train, infer = layout(n_infer, n_train, "float32", "bfloat16", tp)
     plan = build_plan(train, infer, bucket_bytes=bucket_bytes)
@@ -94,7 +97,7 @@ def _sync_worker(rank, world_size, port, n_infer, tp, bucket_bytes, updates, ver
         torch.float32 if is_train else torch.bfloat16,
         0 if is_train else None,
     )
-    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=60)
+    group = init_transfer_group(backend, rank, world_size, "127.0.0.1", port, timeout=60)
     ex = Executor(
         wire_buckets(plan.for_rank(rank)),
         tensors,
@@ -129,6 +132,29 @@ def test_fsdp_chunks_to_two_tp2_engines_cast_bit_exact_over_ten_updates():
     out = run_world(_sync_worker, 6, free_port(), 4, 2, 1 << 20, 10, False, backend=None, timeout=240)
     assert all(o["bad"] == [] for o in out), [o["bad"] for o in out]
     assert [o["version"] for o in out] == [9] * 6
+
+
+def test_ipc_fsdp_chunks_to_two_tp2_engines_cast_bit_exact_over_ten_updates():
+    # Shared slots: every message is packed into the receiver's slot and unpacked from it.
+    out = run_world(
+        _sync_worker, 6, free_port(), 4, 2, 1 << 20, 10, False, None, "ipc", backend=None, timeout=240
+    )
+    assert all(o["bad"] == [] for o in out), [o["bad"] for o in out]
+    assert [o["version"] for o in out] == [9] * 6
+    assert all(o["zero_copy"] == 0.0 for o in out)
+    assert all(o["staging"] > 0 for o in out[:4]) and all(o["staging"] == 0 for o in out[4:])
+
+
+def test_ipc_many_small_messages_reuse_slots_across_updates_with_checksums():
+    # 96-byte messages: many per pair, so slots are reused within an update and the chunk
+    # numbering carries over three updates; checksums cover every message.
+    cut = {"message_bytes": 96}
+    out = run_world(
+        _sync_worker, 5, free_port(), 3, 1, 1 << 20, 3, True, cut, "ipc", backend=None, timeout=240
+    )
+    assert all(o["bad"] == [] for o in out), [o["bad"] for o in out]
+    assert max(t["nbytes"] for o in out for t in o["trace"]) <= 96
+    assert min(len(o["trace"]) for o in out) > 8
 
 
 def test_many_buckets_overlap_pack_with_transfer_and_verify_checksums():
@@ -229,7 +255,7 @@ def test_mismatched_metadata_refused_on_both_sides_naming_the_parameter():
         assert o["error"] is not None and "layer.norm.weight" in o["error"], o
 
 
-def _one_to_one(rank, world_size, port, group_timeout, exec_timeout=None):
+def _one_to_one(rank, world_size, port, group_timeout, exec_timeout=None, backend="gloo"):
     """Rank 0 infers and rank 1 trains (one small bucketed layout): the metas, this rank's
     tensors and an executor over a fresh transfer group on ``port``."""
     train, infer = layout(1, 1, "float32", "bfloat16", 1)
@@ -241,15 +267,15 @@ def _one_to_one(rank, world_size, port, group_timeout, exec_timeout=None):
         torch.float32 if is_train else torch.bfloat16,
         0 if is_train else None,
     )
-    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", port, timeout=group_timeout)
+    group = init_transfer_group(backend, rank, world_size, "127.0.0.1", port, timeout=group_timeout)
     ex = Executor(
         wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), timeout_s=exec_timeout
     )
     return train, infer, plan, tensors, ex
 
 
-def _fault_worker(rank, world_size, port, timeout_s, second_port):
-    train, infer, plan, tensors, ex = _one_to_one(rank, world_size, port, timeout_s, timeout_s)
+def _fault_worker(rank, world_size, port, timeout_s, second_port, backend):
+    train, infer, plan, tensors, ex = _one_to_one(rank, world_size, port, timeout_s, timeout_s, backend)
     is_train = rank == 1
     ex.handshake()
     ex.run(0)
@@ -270,7 +296,7 @@ def _fault_worker(rank, world_size, port, timeout_s, second_port):
                 "bucket": exc.bucket,
             }
     # recovery: a fresh group on a new port, the next update is bit-exact
-    group2 = init_transfer_group("gloo", rank, world_size, "127.0.0.1", second_port, timeout=30)
+    group2 = init_transfer_group(backend, rank, world_size, "127.0.0.1", second_port, timeout=30)
     ex2 = Executor(wire_buckets(plan.for_rank(rank)), tensors, group2, digest=plan.digest())
     ex2.handshake()
     if is_train:
@@ -284,9 +310,12 @@ def _fault_worker(rank, world_size, port, timeout_s, second_port):
     return result
 
 
-def test_stalled_sender_times_out_then_a_fresh_group_recovers():
+@pytest.mark.parametrize("transfer_backend", ["gloo", "ipc"])
+def test_stalled_sender_times_out_then_a_fresh_group_recovers(transfer_backend):
     timeout_s = 2.0
-    out = run_world(_fault_worker, 2, free_port(), timeout_s, free_port(), backend=None, timeout=120)
+    out = run_world(
+        _fault_worker, 2, free_port(), timeout_s, free_port(), transfer_backend, backend=None, timeout=120
+    )
     recv = out[0]
     assert recv["error"] is not None and "peer=1" in recv["error"] and "version=1" in recv["error"]
     assert recv["elapsed"] <= 2 * timeout_s + 1.0
@@ -297,26 +326,29 @@ def test_stalled_sender_times_out_then_a_fresh_group_recovers():
 VANISH_TIMEOUT = 8.0  # generous: a closed connection is usually seen at once, a loaded CI box may lag
 
 
-def _vanishing_peer_worker(rank, world_size, port, vanishing_rank):
-    _, _, _, _, ex = _one_to_one(rank, world_size, port, 10, VANISH_TIMEOUT)
-    ex.handshake()
+def _vanishing_peer_worker(rank, world_size, port, vanishing_rank, backend):
+    _, _, _, _, ex = _one_to_one(rank, world_size, port, 10, VANISH_TIMEOUT, backend)
     if rank == vanishing_rank:
+        ex.handshake()
         return {}  # the process ends mid-protocol: its connections close under its peer
     t0 = time.monotonic()
-    try:
+    try:  # the handshake may already see it (ipc maps the peer's channel there), or the update
+        ex.handshake()
         ex.run(1)
     except TransferError as exc:
         return {"error": str(exc), "elapsed": time.monotonic() - t0, "version": ex.version}
     return {"error": None}
 
 
-def test_sender_that_vanishes_is_reported_within_twice_the_timeout():
-    out = run_world(_vanishing_peer_worker, 2, free_port(), 1, backend=None, timeout=60)
+@pytest.mark.parametrize("transfer_backend", ["gloo", "ipc"])
+def test_sender_that_vanishes_is_reported_within_twice_the_timeout(transfer_backend):
+    out = run_world(_vanishing_peer_worker, 2, free_port(), 1, transfer_backend, backend=None, timeout=60)
     assert out[0]["error"] is not None and "peer=1" in out[0]["error"]
     assert out[0]["elapsed"] <= 2 * VANISH_TIMEOUT and out[0]["version"] is None
 
 
-def test_receiver_that_vanishes_makes_the_sender_raise():
-    out = run_world(_vanishing_peer_worker, 2, free_port(), 0, backend=None, timeout=60)
+@pytest.mark.parametrize("transfer_backend", ["gloo", "ipc"])
+def test_receiver_that_vanishes_makes_the_sender_raise(transfer_backend):
+    out = run_world(_vanishing_peer_worker, 2, free_port(), 0, transfer_backend, backend=None, timeout=60)
     assert out[1]["error"] is not None and "peer=0" in out[1]["error"]
     assert out[1]["elapsed"] <= 2 * VANISH_TIMEOUT

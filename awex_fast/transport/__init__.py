@@ -1,10 +1,11 @@
-"""Transfer backends: gloo and nccl through torch.distributed, and native NCCL (dlopen)."""
+"""Transfer backends: gloo and nccl through torch.distributed, native NCCL (dlopen), and ipc
+(POSIX shared memory between the processes of one host)."""
 
 from __future__ import annotations
 
 from awex_fast.transport.base import Pending, TransferError, TransferGroup
 
-BACKENDS = ("gloo", "nccl", "native-nccl")
+BACKENDS = ("gloo", "nccl", "native-nccl", "ipc")
 
 
 def init_transfer_group(
@@ -34,6 +35,10 @@ def init_transfer_group(
         from awex_fast.transport.nccl import NativeNcclGroup
 
         return NativeNcclGroup(rank, world_size, master_addr, master_port, timeout, group_name, store=store)
+    if backend == "ipc":
+        from awex_fast.transport.ipc import IpcTransferGroup
+
+        return IpcTransferGroup(rank, world_size, master_addr, master_port, timeout, group_name, store=store)
     from awex_fast.transport.torch_dist import TorchTransferGroup
 
     return TorchTransferGroup(backend, rank, world_size, master_addr, master_port, timeout, group_name, store)

@@ -1,0 +1,471 @@
+"""ipc: a transfer backend for ranks that share one host, over POSIX shared memory (CPU tensors).
+
+Why: between processes of one machine a socket transport copies every byte twice through the
+kernel (sender -> socket buffer -> receiver) on top of whatever packing the executor does. Here a
+*channel* per (sender, receiver) pair is a shared segment of slots that both processes map: the
+executor packs (and casts) straight into the receiver's slot and the receiver unpacks straight
+out of it (`Channel`, used by awex_fast.executor), so a staged message costs one copy per side
+and nothing else. Plain `isend`/`irecv` (baselines, checksum lists) stream through a channel of
+their own in ``chunk_bytes`` pieces, pipelined, and progress whenever this rank waits on any of
+them (one caller thread; no progress thread of its own).
+
+Synchronisation (csrc/shm/sync.cpp): per slot, the sender release-stores ``ready = n + 1`` once
+chunk ``n`` is in it and the receiver release-stores ``consumed = n + 1`` once it has read it;
+chunk ``n`` lives in slot ``n % slots``. Each rank owns a futex doorbell that peers ring after
+every store meant for it, so a waiter sleeps in the kernel instead of spinning (this host may
+have fewer cores than ranks). Every wait is bounded by its timeout, wakes at least every
+``_SLICE_S`` to check that the peer process is alive and has not aborted, and raises
+TimeoutError or RuntimeError naming the peer.
+
+Segments (``/dev/shm/awex_ipc_<token>_...``) are created by their owner (a rank's doorbell) or
+the receiver (a channel), named in the group's rendezvous store, and unlinked as soon as the peer
+mapped them, so a killed process leaks nothing that was set up. Every rank must see the same
+/dev/shm (one host, one mount namespace): the group checks at init by opening every peer's
+doorbell, and refuses with a message that names the rank it cannot reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from awex_fast._native import native
+from awex_fast.colocate import ColocateError, SharedSegment
+from awex_fast.transport.base import make_store, timedelta
+
+_SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
+_HEADER = 64  # channel header: magic, slots, slot_bytes, aborted (one cache line)
+_CTL = 64  # per-slot control line: ready, nbytes, tag, consumed
+_MAGIC = 0x617765785F697063  # "awex_ipc"
+CHUNK_BYTES = 4 << 20  # slot size of the isend/irecv channel
+CHUNK_SLOTS = 4
+
+
+def _page_round(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, killed but not yet reaped by its parent, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # cannot tell: let the timeout decide
+    return state not in (b"Z", b"X")
+
+
+class Channel:
+    """The shared slots of one (sender, receiver) pair, seen from one of the two sides.
+
+    Chunk ``n`` of the pair's stream lives in slot ``n % slots``; the sender calls
+    `acquire` (wait until the slot is free) then `publish`, the receiver `wait_ready` then
+    `release`. ``slot(i)`` is slot ``i``'s uint8 tensor, stable for the channel's life.
+    """
+
+    def __init__(
+        self, group: IpcTransferGroup, segment: SharedSegment, peer: int, role: str, name: str
+    ) -> None:
+        self.group, self.segment, self.peer, self.role, self.name = group, segment, peer, role, name
+        words = segment.tensor[:_HEADER].view(torch.int64)
+        if int(words[0]) != _MAGIC:
+            raise RuntimeError(f"ipc channel {name!r} with rank {peer}: segment is not an awex_fast channel")
+        self.slots, self.slot_bytes = int(words[1]), int(words[2])
+        self._base = segment.base
+        self._data = _page_round(_HEADER + self.slots * _CTL)
+        self._slot_tensors = [
+            segment.tensor[self._data + i * self.slot_bytes : self._data + (i + 1) * self.slot_bytes]
+            for i in range(self.slots)
+        ]
+
+    # addresses of the shared words
+    def _aborted_addr(self) -> int:
+        return self._base + 24
+
+    def _ctl(self, slot: int, field: int) -> int:
+        return self._base + _HEADER + slot * _CTL + 8 * field  # 0 ready, 1 nbytes, 2 tag, 3 consumed, 4 total
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Slot ``index``'s bytes."""
+        return self._slot_tensors[index]
+
+    # --- non-blocking probes (the isend/irecv progress engine uses these) -----------------------
+
+    def can_acquire(self, n: int) -> bool:
+        """Sender: chunk ``n``'s slot no longer holds an unread chunk (chunk numbers may skip:
+        the slot is free once the receiver released whatever was published in it last)."""
+        shm, s = native().shm, n % self.slots
+        return shm.load(self._ctl(s, 3)) >= shm.load(self._ctl(s, 0))
+
+    def is_ready(self, n: int) -> bool:
+        """Receiver: chunk ``n`` was published."""
+        return native().shm.load(self._ctl(n % self.slots, 0)) >= n + 1
+
+    def consumed_through(self, n: int) -> bool:
+        """Sender: chunk ``n`` was read and released by the receiver."""
+        return native().shm.load(self._ctl(n % self.slots, 3)) >= n + 1
+
+    # --- the four steps -------------------------------------------------------------------------
+
+    def acquire(self, n: int, timeout_s: float) -> torch.Tensor:
+        """Sender: wait until chunk ``n``'s slot is free; returns the slot."""
+        self.group.wait_for(lambda: self.can_acquire(n), self.peer, timeout_s, f"a free slot for chunk {n}")
+        return self._slot_tensors[n % self.slots]
+
+    def publish(self, n: int, nbytes: int, tag: int, total: int = 0) -> None:
+        """Sender: chunk ``n`` (``nbytes`` of message ``tag``, whose size is ``total``) is in its slot."""
+        shm, s = native().shm, n % self.slots
+        if not 0 <= nbytes <= self.slot_bytes:
+            raise ValueError(f"chunk of {nbytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        shm.store(self._ctl(s, 1), nbytes)
+        shm.store(self._ctl(s, 2), tag)
+        shm.store(self._ctl(s, 4), total)
+        shm.store(self._ctl(s, 0), n + 1)  # release: the data and the two words above are visible
+        self.group.ring(self.peer)
+
+    def wait_ready(self, n: int, timeout_s: float) -> tuple[torch.Tensor, int]:
+        """Receiver: wait for chunk ``n``; returns (its bytes, its tag)."""
+        self.group.wait_for(lambda: self.is_ready(n), self.peer, timeout_s, f"chunk {n}")
+        return self.header(n)
+
+    def header(self, n: int) -> tuple[torch.Tensor, int]:
+        """Receiver: the bytes and tag of published chunk ``n``."""
+        shm, s = native().shm, n % self.slots
+        nbytes, tag = shm.load(self._ctl(s, 1)), shm.load(self._ctl(s, 2))
+        return self._slot_tensors[s][:nbytes], tag
+
+    def total(self, n: int) -> int:
+        """Receiver: the size of the message published chunk ``n`` belongs to."""
+        return native().shm.load(self._ctl(n % self.slots, 4))
+
+    def release(self, n: int) -> None:
+        """Receiver: chunk ``n`` was read; its slot may be reused."""
+        native().shm.store(self._ctl(n % self.slots, 3), n + 1)
+        self.group.ring(self.peer)
+
+    def drain(self, n: int, timeout_s: float) -> None:
+        """Sender: wait until every chunk before ``n`` was released by the receiver."""
+        if n > 0:
+            self.group.wait_for(
+                lambda: self.consumed_through(n - 1), self.peer, timeout_s, f"chunk {n - 1} to be read"
+            )
+
+    @property
+    def peer_aborted(self) -> bool:
+        """The peer (or this rank) aborted the group."""
+        return native().shm.load(self._aborted_addr()) != 0
+
+    def mark_aborted(self) -> None:
+        """Tell the peer this channel is dead."""
+        native().shm.store(self._aborted_addr(), 1)
+
+
+@dataclass
+class _Stream:
+    """A plain isend/irecv in progress: ``data`` (uint8) in ``chunk_bytes`` chunks."""
+
+    role: str
+    peer: int
+    tag: int
+    data: torch.Tensor
+    chunks: int
+    done_chunks: int = 0
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.done_chunks >= self.chunks
+
+
+class _IpcPending:
+    def __init__(self, group: IpcTransferGroup, stream: _Stream) -> None:
+        self._group, self._stream = group, stream
+
+    def wait(self, timeout_s: float) -> None:
+        """Drive every pending isend/irecv of the group until this one is done."""
+        self._group.complete(self._stream, timeout_s)
+
+
+class IpcTransferGroup:
+    """A TransferGroup of processes that share /dev/shm (see the module docstring)."""
+
+    backend = "ipc"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        group_name: str = "awex_fast",
+        store: torch.distributed.Store | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.chunk_bytes = int(chunk_bytes)
+        self.store = make_store(
+            master_addr, master_port, rank, world_size, timeout_s, f"{group_name}/", store
+        )
+        self._closed = False
+        self._lock = threading.RLock()
+        self._channels: dict[tuple[str, int, str], Channel] = {}
+        self._streams: dict[tuple[str, int], deque[_Stream]] = {}
+        self._next_chunk: dict[tuple[str, int], int] = {}
+        if rank == 0:
+            self.store.set("ipc/token", secrets.token_hex(6))
+        self.store.wait(["ipc/token"], timedelta(self.timeout_s))
+        self._token = self.store.get("ipc/token").decode()
+        self._bell = SharedSegment(f"awex_ipc_{self._token}_bell{rank}", 4096, create=True)
+        self.store.set(f"ipc/rank{rank}", json.dumps({"pid": os.getpid(), "bell": self._bell.name}))
+        self._pids: dict[int, int] = {}
+        self._peer_bells: dict[int, SharedSegment] = {}
+        for peer in range(world_size):
+            if peer != rank:
+                self._join_peer(peer)
+        # Every peer mapped our doorbell: drop its name so that no crash can leak it.
+        self.store.set(f"ipc/opened{rank}", "1")
+        self.store.wait([f"ipc/opened{p}" for p in range(world_size)], timedelta(self.timeout_s))
+        self._bell.unlink()
+
+    def _join_peer(self, peer: int) -> None:
+        key = f"ipc/rank{peer}"
+        try:
+            self.store.wait([key], timedelta(self.timeout_s))
+        except RuntimeError as exc:
+            raise TimeoutError(f"ipc: rank {peer} never joined the transfer group: {exc}") from exc
+        info = json.loads(self.store.get(key))
+        try:
+            self._peer_bells[peer] = SharedSegment(info["bell"], 4096, create=False)
+        except ColocateError as exc:
+            raise ValueError(
+                f"ipc backend: rank {peer}'s shared segment {info['bell']!r} is not visible from rank "
+                f"{self.rank}; every rank must run on one host with one /dev/shm (use gloo otherwise)"
+            ) from exc
+        self._pids[peer] = int(info["pid"])
+
+    # --- doorbells and bounded waits ------------------------------------------------------------
+
+    def ring(self, peer: int) -> None:
+        """Wake ``peer`` (after a store it waits for)."""
+        native().shm.bell_ring(self._peer_bells[peer].base)
+
+    def wait_for(self, ready: Callable[[], bool], peer: int, timeout_s: float, what: str) -> None:
+        """Sleep on this rank's doorbell until ``ready()`` holds; TimeoutError after ``timeout_s``,
+        RuntimeError when ``peer`` died or aborted, or this group was closed."""
+        shm, bell = native().shm, self._bell.base
+        deadline = time.monotonic() + timeout_s
+        quiet = False  # the last sleep ran its whole slice: time to look at the peer
+        while True:
+            seen = shm.bell_read(bell)
+            if ready():
+                return
+            if self._closed:
+                raise RuntimeError(f"ipc transfer group was closed or aborted while waiting for {what}")
+            if quiet:
+                self._check_peer_alive(peer, what)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"ipc: waiting for {what} from rank {peer} timed out after {timeout_s:.1f}s"
+                )
+            quiet = not shm.bell_wait(bell, seen, min(_SLICE_S, left))
+
+    def _check_peer_alive(self, peer: int, what: str) -> None:
+        if any(c.peer == peer and c.peer_aborted for c in self._channels.values()):
+            raise RuntimeError(
+                f"ipc: rank {peer} aborted the transfer while rank {self.rank} waited for {what}"
+            )
+        if not _pid_alive(self._pids[peer]):
+            raise RuntimeError(
+                f"ipc: rank {peer} (pid {self._pids[peer]}) died while rank {self.rank} waited for {what}"
+            )
+
+    # --- channels -------------------------------------------------------------------------------
+
+    def _check_peer(self, peer: int) -> None:
+        if self._closed:
+            raise RuntimeError("transfer group (ipc) was closed or aborted")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"peer {peer} is not another rank of this {self.world_size}-rank group")
+
+    def _channel_key(self, src: int, dst: int, name: str) -> str:
+        return f"ipc/chan/{name}/{src}_{dst}"
+
+    def channel(
+        self, peer: int, role: str, name: str, slots: int, slot_bytes: int, *, wait: bool = True
+    ) -> Channel | None:
+        """The (this rank, ``peer``) channel ``name``: the receiver creates it with ``slots`` slots
+        of ``slot_bytes``; the sender maps it (waiting up to the group's timeout when ``wait``,
+        else returning None while it does not exist yet) and checks the geometry it expects."""
+        self._check_peer(peer)
+        key = (role, peer, name)
+        with self._lock:
+            if key in self._channels:
+                return self._channels[key]
+            if slots < 1 or slot_bytes < 1:
+                raise ValueError(
+                    f"ipc channel {name!r}: slots ({slots}) and slot_bytes ({slot_bytes}) must be positive"
+                )
+            slot_bytes = (int(slot_bytes) + 63) // 64 * 64
+            if role == "recv":
+                chan = self._create_channel(peer, name, int(slots), slot_bytes)
+            elif role == "send":
+                chan = self._open_channel(peer, name, wait)
+                if chan is None:
+                    return None
+                if (chan.slots, chan.slot_bytes) != (slots, slot_bytes):
+                    raise ValueError(
+                        f"ipc channel {name!r} to rank {peer}: the receiver made {chan.slots} slots of "
+                        f"{chan.slot_bytes} bytes, this sender expects {slots} of {slot_bytes}"
+                    )
+            else:
+                raise ValueError(f"role must be 'send' or 'recv', got {role!r}")
+            self._channels[key] = chan
+            return chan
+
+    def _create_channel(self, peer: int, name: str, slots: int, slot_bytes: int) -> Channel:
+        size = _page_round(_HEADER + slots * _CTL) + slots * slot_bytes
+        seg = SharedSegment(f"awex_ipc_{self._token}_{peer}_{self.rank}_{name}", size, create=True)
+        words = seg.tensor[:_HEADER].view(torch.int64)
+        words[1], words[2] = slots, slot_bytes
+        words[0] = _MAGIC
+        self.store.set(self._channel_key(peer, self.rank, name), json.dumps({"name": seg.name, "size": size}))
+        return Channel(self, seg, peer, "recv", name)
+
+    def _open_channel(self, peer: int, name: str, wait: bool) -> Channel | None:
+        key = self._channel_key(self.rank, peer, name)
+        if not wait and not self.store.check([key]):
+            return None
+        self.wait_for(lambda: self.store.check([key]), peer, self.timeout_s, f"channel {name!r}")
+        info = json.loads(self.store.get(key))
+        try:
+            seg = SharedSegment(info["name"], int(info["size"]), create=False)
+        except ColocateError as exc:
+            raise RuntimeError(
+                f"ipc: channel {name!r} of rank {peer} is gone before rank {self.rank} mapped it "
+                "(the receiver exited or closed its group)"
+            ) from exc
+        seg.unlink()  # both sides map it now: nothing is left to leak
+        return Channel(self, seg, peer, "send", name)
+
+    # --- plain isend / irecv --------------------------------------------------------------------
+
+    def _post(self, role: str, tensor: torch.Tensor, peer: int, tag: int) -> _IpcPending:
+        self._check_peer(peer)
+        if not tensor.is_contiguous():
+            raise ValueError("transfer buffers must be contiguous")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"the ipc backend moves CPU tensors; got one on {tensor.device}")
+        data = tensor.view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+        chunks = max(1, -(-data.numel() // self.chunk_bytes))
+        stream = _Stream(role, peer, int(tag), data, chunks)
+        with self._lock:
+            if role == "recv":  # the receiver creates the channel, so a sender can find it
+                self.channel(peer, "recv", "p2p", CHUNK_SLOTS, self.chunk_bytes)
+            self._streams.setdefault((role, peer), deque()).append(stream)
+            self._progress()
+        return _IpcPending(self, stream)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _IpcPending:
+        """Start sending ``tensor`` to ``peer`` (progresses while this rank waits on any transfer)."""
+        return self._post("send", tensor, peer, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> _IpcPending:
+        """Start receiving into ``tensor`` from ``peer``; sends and receives of a pair match in
+        posting order, and a tag or size that differs from what the sender posted raises."""
+        return self._post("recv", tensor, peer, tag)
+
+    def _progress(self) -> bool:
+        """Move every pending stream as far as it can go without waiting; True if any moved."""
+        moved = False
+        for queue in self._streams.values():
+            while queue:
+                stream = queue[0]
+                try:
+                    moved |= self._advance(stream)
+                except (RuntimeError, ValueError) as exc:
+                    stream.error = exc
+                if stream.done or stream.error is not None:
+                    queue.popleft()
+                    continue
+                break
+        return moved
+
+    def _advance(self, s: _Stream) -> bool:
+        chan = self.channel(s.peer, s.role, "p2p", CHUNK_SLOTS, self.chunk_bytes, wait=False)
+        if chan is None:
+            return False
+        key, moved = (s.role, s.peer), False
+        while not s.done:
+            n = self._next_chunk.get(key, 0)
+            a = s.done_chunks * self.chunk_bytes
+            b = min(s.data.numel(), a + self.chunk_bytes)
+            if s.role == "send":
+                if not chan.can_acquire(n):
+                    break
+                chan.slot(n % chan.slots)[: b - a].copy_(s.data[a:b])
+                chan.publish(n, b - a, s.tag, s.data.numel())
+            else:
+                if not chan.is_ready(n):
+                    break
+                got, tag = chan.header(n)
+                total = chan.total(n)
+                if tag != s.tag or total != s.data.numel():
+                    raise ValueError(
+                        f"ipc: rank {s.peer} sent message tag {tag} of {total} bytes where rank {self.rank} "
+                        f"expected tag {s.tag} of {s.data.numel()} bytes (sends and receives of a pair "
+                        "must match in posting order and size)"
+                    )
+                s.data[a:b].copy_(got)
+                chan.release(n)
+            self._next_chunk[key] = n + 1
+            s.done_chunks += 1
+            moved = True
+        return moved
+
+    def complete(self, stream: _Stream, timeout_s: float) -> None:
+        """Progress until ``stream`` is done; raise what failed it."""
+
+        def finished() -> bool:
+            with self._lock:
+                self._progress()
+            return stream.done or stream.error is not None
+
+        verb = "sending" if stream.role == "send" else "receiving"
+        self.wait_for(finished, stream.peer, timeout_s, f"{verb} message tag {stream.tag}")
+        if stream.error is not None:
+            raise RuntimeError(str(stream.error)) from stream.error
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Mark every channel dead (waiting peers raise) and make the group unusable."""
+        if self._closed:
+            return
+        for chan in self._channels.values():
+            with contextlib.suppress(Exception):
+                chan.mark_aborted()
+                self.ring(chan.peer)
+        self.close()
+
+    def close(self) -> None:
+        """Leave the group: unmap the channels (unlinking any a sender never opened)."""
+        if self._closed:
+            return
+        self._closed = True
+        for chan in self._channels.values():
+            chan.segment.unlink()
+        self._channels.clear()
+        self._streams.clear()

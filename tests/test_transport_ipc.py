@@ -1,0 +1,155 @@
+"""The ipc transfer backend: POSIX shared memory between real processes of this host."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist import run_world
+from _jobs import free_port
+
+from awex_fast.transport import init_transfer_group
+
+
+def _shm_names(token: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if token in n]
+
+
+def _exchange(rank, world_size, port, numel):
+    """Every rank sends a distinct tensor to every other rank at once, in several chunks."""
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=60)
+    group.chunk_bytes = 1 << 16  # force many chunks (and slot reuse) per message
+    sends, recvs = [], {}
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        payload = torch.arange(numel, dtype=torch.float32) + 1000 * rank + peer
+        sends.append(group.isend(payload, peer, 3))
+        recvs[peer] = (torch.empty(numel), None)
+    for peer, (buf, _) in recvs.items():
+        recvs[peer] = (buf, group.irecv(buf, peer, 3))
+    for peer, (buf, pending) in recvs.items():
+        pending.wait(30)
+        want = torch.arange(numel, dtype=torch.float32) + 1000 * peer + rank
+        assert torch.equal(buf, want), f"rank {rank} got wrong bytes from {peer}"
+    for s in sends:
+        s.wait(30)
+    # a second round on the same channels (chunk counters continue) and an empty message
+    if rank == 0:
+        group.isend(torch.full((5,), 7.0), 1, 9).wait(30)
+        group.isend(torch.empty(0), 1, 10).wait(30)
+    elif rank == 1:
+        got = torch.empty(5)
+        group.irecv(got, 0, 9).wait(30)
+        assert torch.equal(got, torch.full((5,), 7.0))
+        group.irecv(torch.empty(0), 0, 10).wait(30)
+    leftovers = _shm_names(group._token)
+    group.close()
+    return {"leftovers": leftovers}
+
+
+def test_ipc_all_to_all_bit_exact_and_leaves_no_segments():
+    out = run_world(_exchange, 3, free_port(), 100_003, backend=None, timeout=120)
+    # every segment was unlinked once its peer mapped it (the p2p channel of a pair that both
+    # sides used); only the 0 -> 1 receive channel may wait for close
+    assert all(len(o["leftovers"]) == 0 for o in out), out
+
+
+def _mismatch(rank, world_size, port):
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=30)
+    if rank == 0:
+        group.isend(torch.zeros(10), 1, 4).wait(30)
+        return {"msg": ""}
+    with pytest.raises(RuntimeError) as info:
+        group.irecv(torch.empty(12), 0, 4).wait(30)
+    group.close()
+    return {"msg": str(info.value)}
+
+
+def test_ipc_size_mismatch_raises_naming_both_sizes():
+    out = run_world(_mismatch, 2, free_port(), backend=None, timeout=90)
+    assert "40 bytes" in out[1]["msg"] and "48 bytes" in out[1]["msg"], out[1]["msg"]
+
+
+def _timeout(rank, world_size, port):
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=30)
+    elapsed = 0.0
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            group.irecv(torch.empty(4), 1, 0).wait(1.0)
+        elapsed = time.monotonic() - t0
+    else:
+        time.sleep(2.0)
+    group.close()
+    return {"elapsed": elapsed}
+
+
+def test_ipc_wait_times_out():
+    out = run_world(_timeout, 2, free_port(), backend=None, timeout=90)
+    assert 0.9 <= out[0]["elapsed"] < 5
+
+
+def _dead_peer(rank, world_size, port):
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=30)
+    if rank == 1:
+        return {}  # the process ends without a word, in the middle of the protocol
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 .* died"):
+        group.irecv(torch.empty(4), 1, 0).wait(20.0)
+    return {"elapsed": time.monotonic() - t0}
+
+
+def test_ipc_dead_peer_is_seen_long_before_the_timeout():
+    out = run_world(_dead_peer, 2, free_port(), backend=None, timeout=90)
+    assert out[0]["elapsed"] < 5
+
+
+def _abort(rank, world_size, port):
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=30)
+    if rank == 1:
+        chan = group.channel(0, "recv", "x", 2, 64)  # make the pair's channel, then give up
+        assert chan is not None
+        group.store.set("made", "1")
+        group.store.wait(["waiting"])
+        time.sleep(0.3)
+        group.abort()
+        return {"msg": ""}
+    group.store.wait(["made"])
+    chan = group.channel(1, "send", "x", 2, 64)
+    chan.publish(0, 8, 0)
+    chan.publish(1, 8, 1)
+    group.store.set("waiting", "1")
+    with pytest.raises(RuntimeError) as info:
+        chan.acquire(2, 20.0)  # the receiver never frees slot 0; it aborts instead
+    return {"msg": str(info.value)}
+
+
+def test_ipc_abort_wakes_the_waiting_peer():
+    out = run_world(_abort, 2, free_port(), backend=None, timeout=90)
+    assert "aborted" in out[0]["msg"]
+
+
+def _bad_input(rank, world_size, port):
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=30)
+    other = 1 - rank
+    try:
+        with pytest.raises(ValueError, match="contiguous"):
+            group.isend(torch.zeros(4, 4).t(), other, 0)
+        with pytest.raises(ValueError, match=f"peer {rank} is not another rank"):
+            group.isend(torch.zeros(4), rank, 0)
+        with pytest.raises(ValueError, match="peer 3"):
+            group.irecv(torch.zeros(4), 3, 0)
+        with pytest.raises(ValueError, match="slot_bytes"):
+            group.channel(other, "recv", "bad", 2, 0)
+    finally:
+        group.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        group.isend(torch.zeros(4), other, 0)
+    return {}
+
+
+def test_ipc_refuses_bad_buffers_peers_and_a_closed_group():
+    run_world(_bad_input, 2, free_port(), backend=None, timeout=60)
