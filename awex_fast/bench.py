@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solo-kb", type=int, default=None, help="ops this big travel alone (KiB)")
     p.add_argument("--copy-threads", type=int, default=None, help="native copy threads per rank")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "native-nccl"])
+    p.add_argument("--backend", default="gloo", choices=["gloo", "ipc", "nccl", "native-nccl"])
     p.add_argument(
         "--methods",
         default=None,

@@ -111,7 +111,14 @@ def _raw(
     for role, buckets in (("send", rp.sends), ("recv", rp.recvs)):
         for b in buckets:
             pair_bytes[(role, b.peer)] = pair_bytes.get((role, b.peer), 0) + b.payload
-    bufs = {k: torch.empty(n, dtype=torch.uint8, device=dev) for k, n in pair_bytes.items()}
+    # Send buffers hold real bytes: untouched memory would map the kernel's shared zero page, which
+    # every read finds in cache, and make this bound faster than any real weights could go.
+    bufs = {
+        (role, peer): torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+        if role == "send"
+        else torch.empty(n, dtype=torch.uint8, device=dev)
+        for (role, peer), n in pair_bytes.items()
+    }
     casts = []
     if cast_from is not None:
         for (role, _), buf in bufs.items():
@@ -226,7 +233,7 @@ def main(spec_path: str) -> int:
     plan = build_plan(train, infer, bucket_bytes=spec["bucket_mb"] << 20)
     rp = plan.for_rank(rank)
     plan_s = time.perf_counter() - t0
-    if spec["backend"] == "gloo":
+    if spec["backend"] in ("gloo", "ipc"):
         dev = torch.device("cpu")
     else:  # one GPU per rank, round robin over the node's devices
         dev = torch.device("cuda", rank % torch.cuda.device_count())
