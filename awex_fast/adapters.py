@@ -607,7 +607,7 @@ class TrainingAdapter(_AdapterBase):
     ``metas_from_dtensors`` (a plain tensor is a full replica on this rank). ``name_map`` turns a
     module's parameter names into canonical (Hugging Face) names, None to skip one. ``rank`` /
     ``world_size`` default to the default process group's. ``optimizer`` adds the "optimizer"
-    memory tag. ``backend``: "gloo", "nccl" or "native-nccl". CPU colocated mode moves plain
+    memory tag. ``backend``: "gloo", "nccl", "native-nccl" or "ipc". CPU colocated mode moves plain
     CPU parameters into one shared-memory segment (rebinding ``param.data``); DTensor CPU
     parameters cannot be moved and must come from ``colocate.share_tensors``.
     """
