@@ -279,7 +279,7 @@ class Executor:
             return
         direct = {key: [self._direct_view(m) for m in msgs] for key, msgs in self._all_pairs()}
         self._slots_per_peer, self._staging = self._allocate_staging(direct)
-        self._prepared: dict[tuple[str, int], list[_Prepared]] = {}
+        self._prepared = {}
         for (role, peer), msgs in self._all_pairs():
             out, staged = [], 0
             for m, view in zip(msgs, direct[(role, peer)], strict=True):
@@ -288,45 +288,38 @@ class Executor:
                     continue
                 slot = staged % self._slots_per_peer
                 staged += 1
-                buf = self._staging[(role, peer)][slot]
-                views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in m.ops]
-                offsets = [op.byte_offset for op in m.ops]
-                dtypes = [op.wire_dtype for op in m.ops]
-                if role == "send":
-                    program = afc.gather_program(views, buf, offsets, dtypes)
-                else:
-                    program = afc.scatter_program(buf, offsets, dtypes, views)
-                out.append(_Prepared(m, buf[: m.nbytes], program, slot))
+                out.append(self._staged(role, m, self._staging[(role, peer)][slot], slot))
             self._prepared[(role, peer)] = out
         self._prepare_self()
 
+    def _staged(self, role: str, m: WireMessage, buf: torch.Tensor, slot: int) -> _Prepared:
+        """Message ``m`` packed into (send) or unpacked from (recv) slot ``slot``, whose bytes are ``buf``."""
+        views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in m.ops]
+        offsets = [op.byte_offset for op in m.ops]
+        dtypes = [op.wire_dtype for op in m.ops]
+        if role == "send":
+            program = afc.gather_program(views, buf, offsets, dtypes)
+        else:
+            program = afc.scatter_program(buf, offsets, dtypes, views)
+        return _Prepared(m, buf[: m.nbytes], program, slot)
+
     def _prepare_shared(self) -> None:
         """Copy programs between every message's boxes and its slot of the pair's channel (message
-        ``tag`` uses slot ``tag % slots``; see `_run_shared`)."""
+        ``tag`` uses slot ``tag % slots``; see `_run_shared_sends`)."""
         self._prepared = {}
         for (role, peer), msgs in self._all_pairs():
             chan = self._channels[(role, peer)]
-            out = []
-            for m in msgs:
-                slot = m.tag % chan.slots
-                buf = chan.slot(slot)
-                views = [_box_view(self._tensors[op.name], op.offset, op.shape) for op in m.ops]
-                offsets = [op.byte_offset for op in m.ops]
-                dtypes = [op.wire_dtype for op in m.ops]
-                if role == "send":
-                    program = afc.gather_program(views, buf, offsets, dtypes)
-                else:
-                    program = afc.scatter_program(buf, offsets, dtypes, views)
-                out.append(_Prepared(m, buf[: m.nbytes], program, slot))
-            self._prepared[(role, peer)] = out
+            self._prepared[(role, peer)] = [
+                self._staged(role, m, chan.slot(m.tag % chan.slots), m.tag % chan.slots) for m in msgs
+            ]
 
     def _open_channels(self) -> None:
         """Shared mode: each pair's channel (receivers create theirs, senders map them; every
         slot holds the pair's largest message), then the programs over their slots."""
         if not self.shared or self._channels:
             return
-        for role, peer in sorted(self._all_pairs_keys(), key=lambda k: k[0] != "recv"):
-            msgs = self._sends[peer] if role == "send" else self._recvs[peer]
+        # receivers first: a sender waits until its receiver created the channel
+        for (role, peer), msgs in sorted(self._all_pairs(), key=lambda item: item[0][0] != "recv"):
             try:
                 chan = self.group.channel(peer, role, "exec", self._slots, max(m.nbytes for m in msgs))
             except (TimeoutError, RuntimeError) as exc:
@@ -339,9 +332,6 @@ class Executor:
             if key[0] == "recv"  # a receiver owns its channel's slots
         }
         self._prepare_shared()
-
-    def _all_pairs_keys(self) -> list[tuple[str, int]]:
-        return [key for key, _ in self._all_pairs()]
 
     def _prepare_self(self) -> None:
         srcs, dsts = [], []

@@ -40,8 +40,8 @@ def test_transfer_group_spans_jobs_and_leaves_default_worlds_alone():
     assert all(o["job_sum"] == 2.0 and o["job_size"] == 2 for o in out)
 
 
-def _timeout_worker(rank, world_size, group_port):
-    group = init_transfer_group("gloo", rank, world_size, "127.0.0.1", group_port, timeout=30)
+def _timeout_worker(rank, world_size, group_port, backend):
+    group = init_transfer_group(backend, rank, world_size, "127.0.0.1", group_port, timeout=30)
     if rank == 0:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -55,9 +55,10 @@ def _timeout_worker(rank, world_size, group_port):
     return {"elapsed": elapsed, "ok": connect_ok}
 
 
-def test_wait_times_out_instead_of_hanging():
-    out = run_world(_timeout_worker, 2, free_port(), backend=None, timeout=90)
-    assert 0.9 <= out[0]["elapsed"] < 10
+@pytest.mark.parametrize(("transfer_backend", "bound_s"), [("gloo", 10), ("ipc", 5)])
+def test_wait_times_out_instead_of_hanging(transfer_backend, bound_s):
+    out = run_world(_timeout_worker, 2, free_port(), transfer_backend, backend=None, timeout=90)
+    assert 0.9 <= out[0]["elapsed"] < bound_s
 
 
 def _dead_peer_worker(rank, world_size, group_port):

@@ -72,6 +72,14 @@ class TransferGroup(Protocol):
         ...
 
 
+def check_peer(group: TransferGroup, peer: int, closed: bool) -> None:
+    """Refuse an operation on a ``closed`` group, or with a ``peer`` that is not another rank."""
+    if closed:
+        raise RuntimeError(f"transfer group ({group.backend}) was closed or aborted")
+    if not 0 <= peer < group.world_size or peer == group.rank:
+        raise ValueError(f"peer {peer} is not another rank of this {group.world_size}-rank group")
+
+
 def timedelta(seconds: float) -> datetime.timedelta:
     """``seconds`` as a timedelta (torch.distributed's unit for timeouts)."""
     return datetime.timedelta(seconds=seconds)

@@ -40,7 +40,7 @@ import torch
 
 from awex_fast._native import native
 from awex_fast.colocate import ColocateError, SharedSegment
-from awex_fast.transport.base import make_store, timedelta
+from awex_fast.transport.base import check_peer, make_store, timedelta
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
 _HEADER = 64  # channel header: magic, slots, slot_bytes, aborted (one cache line)
@@ -294,12 +294,6 @@ class IpcTransferGroup:
 
     # --- channels -------------------------------------------------------------------------------
 
-    def _check_peer(self, peer: int) -> None:
-        if self._closed:
-            raise RuntimeError("transfer group (ipc) was closed or aborted")
-        if not 0 <= peer < self.world_size or peer == self.rank:
-            raise ValueError(f"peer {peer} is not another rank of this {self.world_size}-rank group")
-
     def _channel_key(self, src: int, dst: int, name: str) -> str:
         return f"ipc/chan/{name}/{src}_{dst}"
 
@@ -309,7 +303,7 @@ class IpcTransferGroup:
         """The (this rank, ``peer``) channel ``name``: the receiver creates it with ``slots`` slots
         of ``slot_bytes``; the sender maps it (waiting up to the group's timeout when ``wait``,
         else returning None while it does not exist yet) and checks the geometry it expects."""
-        self._check_peer(peer)
+        check_peer(self, peer, self._closed)
         key = (role, peer, name)
         with self._lock:
             if key in self._channels:
@@ -363,7 +357,7 @@ class IpcTransferGroup:
     # --- plain isend / irecv --------------------------------------------------------------------
 
     def _post(self, role: str, tensor: torch.Tensor, peer: int, tag: int) -> _IpcPending:
-        self._check_peer(peer)
+        check_peer(self, peer, self._closed)
         if not tensor.is_contiguous():
             raise ValueError("transfer buffers must be contiguous")
         if tensor.device.type != "cpu":

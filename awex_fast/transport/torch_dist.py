@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from awex_fast.transport.base import make_store, timedelta
+from awex_fast.transport.base import check_peer, make_store, timedelta
 
 
 class _TorchPending:
@@ -80,10 +80,7 @@ class TorchTransferGroup:
         self._closed = False
 
     def _check(self, tensor: torch.Tensor, peer: int) -> None:
-        if self._closed:
-            raise RuntimeError(f"transfer group ({self.backend}) was closed or aborted")
-        if not 0 <= peer < self.world_size or peer == self.rank:
-            raise ValueError(f"peer {peer} is not another rank of this {self.world_size}-rank group")
+        check_peer(self, peer, self._closed)
         if not tensor.is_contiguous():
             raise ValueError("transfer buffers must be contiguous")
         if self.backend == "gloo" and tensor.device.type != "cpu":
