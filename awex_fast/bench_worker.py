@@ -125,7 +125,7 @@ def _raw(
             if role == "send":
                 wire = buf[: buf.numel() // to.itemsize * to.itemsize].view(to)
                 src = torch.randn(wire.numel(), device=dev).to(cast_from)
-                casts.append(afc.direct_program([src], [wire]))
+                casts.append(afc.direct_program([src], [wire], streaming=False))
 
     def run() -> None:
         for program in casts:

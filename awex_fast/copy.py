@@ -103,12 +103,22 @@ class CopyProgram:
 
     It keeps every tensor it points into alive. Replaying is valid as long as those tensors keep
     their storage (the executor re-validates data pointers when it caches programs).
+    ``streaming`` marks destinations that are not read again soon (weights written by an unpack
+    or a direct copy): the CPU path writes their long runs with non-temporal stores.
     """
 
-    def __init__(self, desc: np.ndarray, device: int, keep_alive: list[torch.Tensor], nbytes: int) -> None:
+    def __init__(
+        self,
+        desc: np.ndarray,
+        device: int,
+        keep_alive: list[torch.Tensor],
+        nbytes: int,
+        streaming: bool = False,
+    ) -> None:
         self.desc = desc
         self.device = device
         self.nbytes = nbytes
+        self.streaming = streaming
         self._keep_alive = keep_alive
 
     @property
@@ -123,7 +133,7 @@ class CopyProgram:
             return
         if self.device >= 0 and stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        _copy.copy_boxes(self.desc, self.device, int(stream or 0))
+        _copy.copy_boxes(self.desc, self.device, int(stream or 0), self.streaming)
 
 
 def _program(
@@ -188,7 +198,9 @@ def _program(
     desc = np.array(words, dtype=np.int64).reshape(len(boxes), DESC_WORDS)
     if check_overlap:
         _raise_on_overlap(desc, what, "byte ranges of the buffer" if to_buffer else "destination views")
-    return CopyProgram(desc, device, [buf, *boxes], total)
+    # An unpack writes weights (read later by the model, not now); a pack writes a buffer that
+    # is sent next, and should stay in cache for that.
+    return CopyProgram(desc, device, [buf, *boxes], total, streaming=not to_buffer)
 
 
 def _raise_on_overlap(desc: np.ndarray, what: str, target: str) -> None:
@@ -201,9 +213,12 @@ def _raise_on_overlap(desc: np.ndarray, what: str, target: str) -> None:
         )
 
 
-def direct_program(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> CopyProgram:
+def direct_program(
+    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], streaming: bool = True
+) -> CopyProgram:
     """Program copying each ``srcs[i]`` into ``dsts[i]`` (same shapes, any strides, cast to the
-    destination dtype) with no buffer in between: self-sends and colocated copies."""
+    destination dtype) with no buffer in between: self-sends and colocated copies. Pass
+    ``streaming=False`` when the destinations are read right after (a buffer about to be sent)."""
     if len(srcs) != len(dsts):
         raise ValueError(f"copy: {len(srcs)} sources but {len(dsts)} destinations")
     words: list[int] = []
@@ -233,7 +248,7 @@ def direct_program(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -
         total += dst.numel() * dst.element_size()
     desc = np.array(words, dtype=np.int64).reshape(len(srcs), DESC_WORDS)
     _raise_on_overlap(desc, "copy", "destinations")
-    return CopyProgram(desc, -1 if device is None else device, keep, total)
+    return CopyProgram(desc, -1 if device is None else device, keep, total, streaming=streaming)
 
 
 def gather_program(

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import awex_fast as af
 from awex_fast import copy as afc
+from awex_fast._native import native
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 BITWISE = [
@@ -326,7 +327,7 @@ def test_random_bit_patterns_cast_like_torch_on_every_vector_tail():
     gen = torch.Generator().manual_seed(7)
     bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64)
     values = bits.to(torch.int32).view(torch.float32)
-    for n in (1, 15, 17, 31, 33, 1000, 1 << 20):
+    for n in (1, 15, 17, 31, 33, 63, 64, 65, 129, 1000, 1 << 20):
         for dst in (torch.bfloat16, torch.float16):
             out = torch.empty(n, dtype=dst)
             af.copy.pack([values[:n]], out)
@@ -335,6 +336,43 @@ def test_random_bit_patterns_cast_like_torch_on_every_vector_tail():
         half = values[:n].to(torch.bfloat16)
         af.copy.unpack(half, [back])
         assert torch.equal(_bits(back), _bits(half.to(torch.float32))), n
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_long_runs_copy_exactly_at_every_alignment(threads):
+    # Runs from 16 KiB up take the prefetching copy (packs, direct copies with streaming=False)
+    # or the non-temporal one (unpacks, direct copies, copy_bytes with streaming=True), whose
+    # aligned body, unaligned head and tail are each exercised here; the bytes next to every
+    # destination range must stay untouched.
+    gen = torch.Generator().manual_seed(11)
+    src = torch.randint(0, 256, (1 << 20,), generator=gen, dtype=torch.uint8)
+    afc.set_num_threads(threads)
+    try:
+        for n in (16 * 1024 - 1, 16 * 1024, 16 * 1024 + 255, 300_001):
+            for s_off, d_off in ((0, 0), (1, 7), (63, 64), (5, 33)):
+                for streaming in (False, True):
+                    dst = torch.full((n + 200,), 0xAB, dtype=torch.uint8)
+                    native().copy.copy_bytes(
+                        dst.data_ptr() + d_off, src.data_ptr() + s_off, n, streaming
+                    )
+                    assert torch.equal(dst[d_off : d_off + n], src[s_off : s_off + n]), (n, s_off, d_off)
+                    assert bool((dst[:d_off] == 0xAB).all()) and bool((dst[d_off + n :] == 0xAB).all())
+                    out = torch.full((n + 200,), 0xCD, dtype=torch.uint8)
+                    afc.direct_program([src[s_off : s_off + n]], [out[d_off : d_off + n]], streaming).run()
+                    assert torch.equal(out[d_off : d_off + n], src[s_off : s_off + n])
+                    assert bool((out[d_off + n :] == 0xCD).all())
+            back = torch.zeros(n + 3, dtype=torch.uint8)
+            af.copy.unpack_at(src, [1], torch.uint8, [back[3:]])  # a streaming unpack
+            assert torch.equal(back[3:], src[1 : n + 1]) and bool((back[:3] == 0).all())
+    finally:
+        afc.set_num_threads(os.cpu_count() or 1)
+
+
+def test_copy_bytes_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="negative byte count"):
+        native().copy.copy_bytes(1, 1, -1, False)
+    with pytest.raises(ValueError, match="null pointer"):
+        native().copy.copy_bytes(0, 8, 16, False)
 
 
 def _mix64(x):

@@ -71,8 +71,9 @@ std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n);
 
 // Copies on the CPU with the shared thread pool (the calling thread takes part). Work is split by
 // bytes into slices claimed dynamically, not by box count, so one huge box and many tiny ones
-// both use every thread.
-void copy_cpu(const std::vector<Box>& boxes);
+// both use every thread. `streaming`: the destinations are not read again soon (received
+// weights), so long contiguous runs bypass the caches with non-temporal stores.
+void copy_cpu(const std::vector<Box>& boxes, bool streaming = false);
 
 // Threads used by copy_cpu (default: the CPUs this process may run on).
 void set_num_threads(int n);

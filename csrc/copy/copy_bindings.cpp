@@ -27,12 +27,12 @@ DescView desc_view(const py::buffer& desc, py::buffer_info& info) {
   return {static_cast<const int64_t*>(info.ptr), info.shape[0]};
 }
 
-void copy_boxes(const py::buffer& desc, int device, uintptr_t stream) {
+void copy_boxes(const py::buffer& desc, int device, uintptr_t stream, bool streaming) {
   py::buffer_info info;
   const DescView v = desc_view(desc, info);
   py::gil_scoped_release release;
   if (device < 0) {
-    copy_cpu(normalize(v.data, v.rows, /*max_unit=*/1));
+    copy_cpu(normalize(v.data, v.rows, /*max_unit=*/1), streaming);
     return;
   }
 #if defined(AWEX_FAST_WITH_CUDA)
@@ -42,6 +42,24 @@ void copy_boxes(const py::buffer& desc, int device, uintptr_t stream) {
   throw ArgumentError("a CUDA copy was asked for but awex_fast was built without CUDA "
                       "(AWEX_FAST_CUDA=OFF or no CUDA compiler at build time)");
 #endif
+}
+
+// One contiguous byte range on the CPU, through the same pool and run copies as copy_boxes
+// (the ipc transport's plain sends and receives use it).
+void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes, bool streaming) {
+  AWEX_CHECK_ARG(nbytes >= 0, "copy_bytes: negative byte count ", nbytes);
+  if (nbytes == 0) return;
+  AWEX_CHECK_ARG(dst != 0 && src != 0, "copy_bytes: null pointer");
+  Box b{};
+  b.src = reinterpret_cast<const char*>(src);
+  b.dst = reinterpret_cast<char*>(dst);
+  b.ndim = 1;
+  b.src_kind = b.dst_kind = kRaw;
+  b.src_size = b.dst_size = 1;
+  b.shape[0] = b.numel = nbytes;
+  b.src_stride[0] = b.dst_stride[0] = 1;
+  py::gil_scoped_release release;
+  copy_cpu({b}, streaming);
 }
 
 std::pair<int64_t, int64_t> dst_overlap(const py::buffer& desc) {
@@ -70,8 +88,12 @@ void register_apis(py::module_& m) {
   sub.attr("DESC_WORDS") = kDescWords;
   sub.attr("MAX_DIMS") = kMaxDims;
   sub.def("copy_boxes", &copy_boxes, py::arg("desc"), py::arg("device") = -1,
-          py::arg("stream") = 0,
-          "Copy every box of an int64 [n, DESC_WORDS] descriptor array; device -1 is the CPU.");
+          py::arg("stream") = 0, py::arg("streaming") = false,
+          "Copy every box of an int64 [n, DESC_WORDS] descriptor array; device -1 is the CPU. "
+          "streaming: the destinations are not read soon (CPU: non-temporal stores on long runs).");
+  sub.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+          py::arg("streaming") = false,
+          "Copy nbytes from address src to address dst on the CPU (ranges must not overlap).");
   sub.def("dst_overlap", &dst_overlap, py::arg("desc"),
           "First pair of descriptors whose destinations overlap, or (-1, -1).");
   sub.def("checksum", &checksum, py::arg("ptr"), py::arg("nbytes"), py::arg("device") = -1,
