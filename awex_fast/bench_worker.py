@@ -103,10 +103,16 @@ def _raw(
     dev: torch.device,
     cast_from: torch.dtype | None = None,
     to: torch.dtype | None = None,
-) -> tuple[callable, int]:
+) -> tuple[callable, int, callable]:
     """Each (sender, receiver) pair sends one contiguous buffer of the bytes it carries. With
     ``cast_from`` (the ``raw_cast`` method) each sender first casts that buffer from the training
-    dtype in one contiguous native copy: the bound for any method that must cast."""
+    dtype in one contiguous native copy: the bound for any method that must cast.
+
+    Returns (run, bytes received, refresh); ``refresh`` rewrites what ``run`` reads first (the
+    send buffers, or the cast's sources), as the bench rewrites the training weights before every
+    awex_fast sync, so that a bound never reads memory left in cache by its previous iteration
+    while awex_fast reads freshly written weights (the large L3 of a server holds a whole
+    Qwen2.5-0.5B)."""
     pair_bytes: dict[tuple[str, int], int] = {}
     for role, buckets in (("send", rp.sends), ("recv", rp.recvs)):
         for b in buckets:
@@ -119,13 +125,21 @@ def _raw(
         else torch.empty(n, dtype=torch.uint8, device=dev)
         for (role, peer), n in pair_bytes.items()
     }
-    casts = []
+    casts, sources = [], [buf for (role, _), buf in bufs.items() if role == "send"]
     if cast_from is not None:
+        sources = []
         for (role, _), buf in bufs.items():
             if role == "send":
                 wire = buf[: buf.numel() // to.itemsize * to.itemsize].view(to)
-                src = torch.randn(wire.numel(), device=dev).to(cast_from)
-                casts.append(afc.direct_program([src], [wire], streaming=False))
+                sources.append(torch.randn(wire.numel(), device=dev).to(cast_from))
+                casts.append(afc.direct_program([sources[-1]], [wire], streaming=False))
+
+    def refresh() -> None:
+        for t in sources:
+            if t.is_floating_point():
+                t.neg_()
+            else:
+                t.bitwise_not_()
 
     def run() -> None:
         for program in casts:
@@ -137,7 +151,7 @@ def _raw(
         for p in pending:
             p.wait(group.timeout_s)
 
-    return run, sum(n for (role, _), n in pair_bytes.items() if role == "recv")
+    return run, sum(n for (role, _), n in pair_bytes.items() if role == "recv"), refresh
 
 
 def _naive(
@@ -280,27 +294,31 @@ def main(spec_path: str) -> int:
         version[0] += 1
         ex.run(version[0])
 
-    runners = {"awex_fast": (sync, rp.recv_bytes)}
+    def new_weights() -> None:
+        for t in tensors.values():
+            t.neg_()  # new weights every sync, same storage
+
+    # method -> (sync, bytes it moves, what runs before each iteration, untimed, or None)
+    runners = {"awex_fast": (sync, rp.recv_bytes, new_weights if is_train else None)}
     if "raw" in spec["methods"]:
         runners["raw"] = _raw(group, rp, dev)
     if "raw_cast" in spec["methods"]:
         cast_from, to = torch_dtype(spec["train_dtype"]), torch_dtype(spec["dtype"])
         runners["raw_cast"] = _raw(group, rp, dev, cast_from, to)
     if "naive" in spec["methods"]:
-        runners["naive"] = _naive(group, rank, spec, train, infer, tensors, dev)
+        runners["naive"] = (*_naive(group, rank, spec, train, infer, tensors, dev), None)
     if "awex" in spec["methods"]:
-        runners["awex"] = _awex(parent, rank, spec, train, infer, tensors, rp.recv_bytes)
+        runners["awex"] = (*_awex(parent, rank, spec, train, infer, tensors, rp.recv_bytes), None)
     times: dict[str, list[float]] = {m: [] for m in spec["methods"]}
     cpu: dict[str, list[float]] = {m: [] for m in spec["methods"]}
     nbytes = {}
     verified, trace = True, []
     for method in spec["methods"]:
-        fn, moved = runners[method]
+        fn, moved, before = runners[method]
         nbytes[method] = moved
         for it in range(spec["iters"] + 1):  # iteration 0 is the warm-up
-            if is_train and method == "awex_fast":
-                for t in tensors.values():
-                    t.neg_()  # new weights every sync, same storage
+            if before is not None:
+                before()
             barrier()
             t1, c1 = time.perf_counter(), time.process_time()
             fn()
