@@ -111,8 +111,8 @@ def _raw(
     Returns (run, bytes received, refresh); ``refresh`` rewrites what ``run`` reads first (the
     send buffers, or the cast's sources), as the bench rewrites the training weights before every
     awex_fast sync, so that a bound never reads memory left in cache by its previous iteration
-    while awex_fast reads freshly written weights (the large L3 of a server holds a whole
-    Qwen2.5-0.5B)."""
+    while awex_fast reads freshly written weights (a server's L3, 480 MB here, holds much of a
+    sender's buffer)."""
     pair_bytes: dict[tuple[str, int], int] = {}
     for role, buckets in (("send", rp.sends), ("recv", rp.recvs)):
         for b in buckets:
@@ -125,21 +125,17 @@ def _raw(
         else torch.empty(n, dtype=torch.uint8, device=dev)
         for (role, peer), n in pair_bytes.items()
     }
-    casts, sources = [], [buf for (role, _), buf in bufs.items() if role == "send"]
+    sends = [buf for (role, _), buf in bufs.items() if role == "send"]
+    sources, casts, rewrite = sends, [], torch.Tensor.bitwise_not_
     if cast_from is not None:
-        sources = []
-        for (role, _), buf in bufs.items():
-            if role == "send":
-                wire = buf[: buf.numel() // to.itemsize * to.itemsize].view(to)
-                sources.append(torch.randn(wire.numel(), device=dev).to(cast_from))
-                casts.append(afc.direct_program([sources[-1]], [wire], streaming=False))
+        wires = [buf[: buf.numel() // to.itemsize * to.itemsize].view(to) for buf in sends]
+        sources = [torch.randn(w.numel(), device=dev).to(cast_from) for w in wires]
+        casts = [afc.direct_program([s], [w], streaming=False) for s, w in zip(sources, wires, strict=True)]
+        rewrite = torch.Tensor.neg_
 
     def refresh() -> None:
         for t in sources:
-            if t.is_floating_point():
-                t.neg_()
-            else:
-                t.bitwise_not_()
+            rewrite(t)
 
     def run() -> None:
         for program in casts:
