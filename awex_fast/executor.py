@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -64,6 +63,7 @@ SOLO_BYTES = 256 << 10
 # keep the slots cache-sized; more slots let a sender run further ahead of a busy receiver.
 SHARED_MESSAGE_BYTES = 4 << 20
 SHARED_SLOTS = 4
+_MISMATCH = 5  # the native runner's status for "the peer published another message"
 
 
 class PlanMismatchError(TransferError):
@@ -312,6 +312,21 @@ class Executor:
             self._prepared[(role, peer)] = [
                 self._staged(role, m, chan.slot(m.tag % chan.slots), m.tag % chan.slots) for m in msgs
             ]
+        self._runners, self._runner_peers = {}, {}
+        for role, by_peer in (("send", self._sends), ("recv", self._recvs)):
+            if not by_peer:
+                continue
+            peers = list(by_peer)
+            order = _round_robin({p: self._prepared[(role, p)] for p in peers})
+            steps = []
+            for peer, prep in order:
+                chan, slot = self._channels[(role, peer)], prep.slot
+                steps.append(
+                    (peers.index(peer), chan.control_address(slot), chan.slot(slot).data_ptr(),
+                     prep.msg.tag, prep.msg.nbytes, prep.program.desc)
+                )
+            runner = self.group.runner(role, peers, steps)
+            self._runners[role], self._runner_peers[role] = (runner, order), peers
 
     def _open_channels(self) -> None:
         """Shared mode: each pair's channel (receivers create theirs, senders map them; every
@@ -421,8 +436,8 @@ class Executor:
             if self._self_program is not None:
                 self._self_program.run()
             if self.shared:
-                sent = self._run_shared_sends(version) if self._sends else 0
-                received = self._run_shared_recvs(version) if self._recvs else 0
+                sent = self._run_shared("send", version) if self._sends else 0
+                received = self._run_shared("recv", version) if self._recvs else 0
                 for key, msgs in self._all_pairs():  # next update: tag 0 in slot 0 again
                     slots = self._channels[key].slots
                     self._chunk_base[key] += -(-len(msgs) // slots) * slots
@@ -565,64 +580,50 @@ class Executor:
             self._check_sums(sums, version)
         return received
 
-    def _run_shared_sends(self, version: int) -> int:
-        """Shared mode: pack every message straight into its slot of the receiver's channel
-        (waiting for the slot to be free), publish it, and finally wait until all were read."""
-        sent = 0
-        for peer, prep in _round_robin({p: self._prepared[("send", p)] for p in self._sends}):
-            chan, m = self._channels[("send", peer)], prep.msg
-            n = self._chunk_base[("send", peer)] + m.tag
-            tr = MessageTrace("send", peer, m.tag, m.bucket, m.nbytes, False)
-            self._bounded(partial(chan.acquire, n, self.timeout_s), peer, "send", version, m.tag, m.bucket)
-            tr.pack_start = time.perf_counter()
-            prep.program.run()
-            if self.verify:
-                self._sums[("send", peer)][m.tag] = _signed(afc.checksum(prep.wire))
-            tr.pack_end = tr.transfer_start = time.perf_counter()
-            chan.publish(n, m.nbytes, m.tag)
-            tr.transfer_end = tr.transfer_start
+    def _run_shared(self, role: str, version: int) -> int:
+        """Shared mode: every message of ``role`` in one native pass (csrc/shm/runner.cpp), round
+        robin over the peers. A sender waits for each message's slot to be free, packs into it
+        and publishes it, then waits until every peer read its last message; a receiver waits for
+        each message in its slot, unpacks it from there and frees the slot."""
+        runner, steps = self._runners[role]
+        bases = [self._chunk_base[(role, peer)] for peer in self._runner_peers[role]]
+        status, failed, detail, times, sums = runner.run(bases, self.timeout_s, self.verify)
+        if status != 0:
+            peer, prep = steps[failed]
+            m = prep.msg
+            if status == _MISMATCH:
+                raise TransferError(detail, peer=peer, bucket=m.bucket, version=version)
+            verb, direction = ("sending", "to") if role == "send" else ("receiving", "from")
+            raise TransferError(
+                f"rank {self.rank} failed {verb} message {m.tag} ({direction} its peer): {detail}",
+                peer=peer,
+                bucket=m.bucket,
+                version=version,
+            )
+        moved = 0
+        got: dict[int, list[int]] = {p: [0] * len(ms) for p, ms in self._recvs.items()}
+        checksums = sums or [None] * len(steps)
+        for (peer, prep), (t0, t1, t2), total in zip(steps, times.tolist(), checksums, strict=True):
+            m = prep.msg
+            tr = MessageTrace(role, peer, m.tag, m.bucket, m.nbytes, False)
+            if role == "send":
+                tr.pack_start, tr.pack_end = t0, t1
+                tr.transfer_start = tr.transfer_end = t1
+                if total is not None:
+                    self._sums[("send", peer)][m.tag] = _signed(total)
+            else:
+                tr.transfer_start, tr.transfer_end, tr.unpack_start, tr.unpack_end = t0, t1, t1, t2
+                if total is not None:
+                    got[peer][m.tag] = total
             self.trace.append(tr)
-            sent += m.nbytes
-        for peer, msgs in self._sends.items():  # a receiver that dies now still fails the update
-            chan, end = self._channels[("send", peer)], self._chunk_base[("send", peer)] + len(msgs)
-            drain = partial(chan.drain, end, self.timeout_s)
-            self._bounded(drain, peer, "send", version, len(msgs) - 1, msgs[-1].bucket)
-        if self.verify:
+            moved += m.nbytes
+        if self.verify and role == "send":
             for peer, msgs in self._sends.items():
                 pending = self._post("send", self._sums[("send", peer)], peer, len(msgs), version, None)
                 self._wait(pending, peer, "send", version, len(msgs), None)
-        return sent
-
-    def _run_shared_recvs(self, version: int) -> int:
-        """Shared mode: wait for every message in its slot, unpack it from there, free the slot."""
-        sums: dict[int, list[int]] = {p: [0] * len(ms) for p, ms in self._recvs.items()}
-        received = 0
-        for peer, prep in _round_robin({p: self._prepared[("recv", p)] for p in self._recvs}):
-            chan, m = self._channels[("recv", peer)], prep.msg
-            n = self._chunk_base[("recv", peer)] + m.tag
-            tr = MessageTrace("recv", peer, m.tag, m.bucket, m.nbytes, False)
-            tr.transfer_start = time.perf_counter()
-            wait = partial(chan.wait_ready, n, self.timeout_s)
-            got, tag = self._bounded(wait, peer, "recv", version, m.tag, m.bucket)
-            if tag != m.tag or got.numel() != m.nbytes:
-                raise TransferError(
-                    f"rank {self.rank} expected message {m.tag} of {m.nbytes} bytes but its peer published "
-                    f"message {tag} of {got.numel()} bytes",
-                    peer=peer,
-                    bucket=m.bucket,
-                    version=version,
-                )
-            tr.transfer_end = tr.unpack_start = time.perf_counter()
-            if self.verify:
-                sums[peer][m.tag] = afc.checksum(prep.wire)
-            prep.program.run()
-            chan.release(n)
-            tr.unpack_end = time.perf_counter()
-            self.trace.append(tr)
-            received += m.nbytes
-        if self.verify:
-            self._check_sums(sums, version)
-        return received
+        elif self.verify:
+            self._check_sums(got, version)
+        return moved
 
     def _check_sums(self, got: dict[int, list[int]], version: int) -> None:
         """Receive every sender's checksum list and compare it with what arrived."""

@@ -141,3 +141,55 @@ def _bad_input(rank, world_size, port):
 
 def test_ipc_refuses_bad_buffers_peers_and_a_closed_group():
     run_world(_bad_input, 2, free_port(), backend=None, timeout=60)
+
+
+def _runner_world(rank, world_size, port):
+    """The native runner against a hand-driven peer: it lands a good message, names a message
+    the peer published in its place, gives up at its timeout, and stops when its group closes."""
+    import threading
+
+    from awex_fast import copy as afc
+
+    group = init_transfer_group("ipc", rank, world_size, "127.0.0.1", port, timeout=30)
+    if rank == 1:  # the hand-driven sender
+        group.store.wait(["made"])
+        chan = group.channel(0, "send", "r", 2, 64)
+        chan.slot(0)[:16].copy_(torch.arange(16, dtype=torch.uint8))
+        chan.publish(0, 16, 0)  # what the runner expects: message 0 of 16 bytes
+        chan.slot(1)[:8].fill_(1)
+        chan.publish(1, 8, 5)  # the runner expects message 1 of 16 bytes
+        group.store.wait(["done"])
+        return {}
+    chan = group.channel(1, "recv", "r", 2, 64)
+    group.store.set("made", "1")
+    out = torch.zeros(2, 16, dtype=torch.uint8)
+    steps = []
+    for tag in (0, 1):
+        prog = afc.scatter_program(chan.slot(tag), [0], torch.uint8, [out[tag]])
+        steps.append((0, chan.control_address(tag), chan.slot(tag).data_ptr(), tag, 16, prog.desc))
+    status, failed, detail, times, _ = group.runner("recv", [1], steps).run([0], 10.0, False)
+    first = {"status": status, "failed": failed, "detail": detail, "row0": out[0].tolist()}
+    # nothing is published for chunk 2: a short timeout
+    late = steps[:1]
+    t0 = time.monotonic()
+    status, _, detail, _, _ = group.runner("recv", [1], late).run([2], 0.3, False)
+    timed_out = {"status": status, "detail": detail, "elapsed": time.monotonic() - t0}
+    # the group closes (from another thread) while the runner waits
+    threading.Timer(0.3, group.close).start()
+    t0 = time.monotonic()
+    status, _, detail, _, _ = group.runner("recv", [1], late).run([2], 20.0, False)
+    closed = {"status": status, "detail": detail, "elapsed": time.monotonic() - t0}
+    group.store.set("done", "1")
+    return {"first": first, "timed_out": timed_out, "closed": closed}
+
+
+def test_native_runner_names_mismatches_timeouts_and_a_closed_group():
+    out = run_world(_runner_world, 2, free_port(), backend=None, timeout=90)[0]
+    first = out["first"]
+    assert first["row0"] == list(range(16))  # message 0 landed before message 1 was refused
+    assert first["status"] == 5 and first["failed"] == 1, first
+    assert "expected message 1 of 16 bytes" in first["detail"] and "message 5 of 8 bytes" in first["detail"]
+    assert out["timed_out"]["status"] == 1 and "timed out after 0.3s" in out["timed_out"]["detail"]
+    assert out["timed_out"]["elapsed"] < 5
+    assert out["closed"]["status"] == 4 and "closed" in out["closed"]["detail"]
+    assert out["closed"]["elapsed"] < 5

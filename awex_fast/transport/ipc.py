@@ -4,8 +4,9 @@ Why: between processes of one machine a socket transport copies every byte twice
 kernel (sender -> socket buffer -> receiver) on top of whatever packing the executor does. Here a
 *channel* per (sender, receiver) pair is a shared segment of slots that both processes map: the
 executor packs (and casts) straight into the receiver's slot and the receiver unpacks straight
-out of it (`Channel`, used by awex_fast.executor), so a staged message costs one copy per side
-and nothing else. Plain `isend`/`irecv` (baselines, checksum lists) stream through a channel of
+out of it (`Channel`; awex_fast.executor replays a whole update's messages through
+`IpcTransferGroup.runner`, csrc/shm/runner.cpp, with no Python between messages), so a staged
+message costs one copy per side and nothing else. Plain `isend`/`irecv` (baselines, checksum lists) stream through a channel of
 their own in ``chunk_bytes`` pieces, pipelined, and progress whenever this rank waits on any of
 them (one caller thread; no progress thread of its own).
 
@@ -43,6 +44,7 @@ from awex_fast.colocate import ColocateError, SharedSegment
 from awex_fast.transport.base import check_peer, make_store, timedelta
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
+_CLOSED_AT = 64  # byte offset, in a rank's doorbell segment, of its "group closed" word
 _HEADER = 64  # channel header: magic, slots, slot_bytes, aborted (one cache line)
 _CTL = 64  # per-slot control line: ready, nbytes, tag, consumed
 _MAGIC = 0x617765785F697063  # "awex_ipc"
@@ -69,9 +71,10 @@ def _pid_alive(pid: int) -> bool:
 class Channel:
     """The shared slots of one (sender, receiver) pair, seen from one of the two sides.
 
-    Chunk ``n`` of the pair's stream lives in slot ``n % slots``; the sender calls
-    `acquire` (wait until the slot is free) then `publish`, the receiver `wait_ready` then
-    `release`. ``slot(i)`` is slot ``i``'s uint8 tensor, stable for the channel's life.
+    Chunk ``n`` of the pair's stream lives in slot ``n % slots``; the sender waits until
+    `can_acquire` (or calls `acquire`) then `publish`es, the receiver waits until `is_ready`,
+    reads `header` and `release`s. ``slot(i)`` is slot ``i``'s uint8 tensor, stable for the
+    channel's life. The executor runs the same protocol natively (`IpcTransferGroup.runner`).
     """
 
     def __init__(
@@ -99,6 +102,15 @@ class Channel:
     def slot(self, index: int) -> torch.Tensor:
         """Slot ``index``'s bytes."""
         return self._slot_tensors[index]
+
+    def control_address(self, index: int) -> int:
+        """Address of slot ``index``'s control line (ready, nbytes, tag, consumed, total)."""
+        return self._ctl(index, 0)
+
+    @property
+    def aborted_address(self) -> int:
+        """Address of the channel's abort word (nonzero once either side aborted)."""
+        return self._aborted_addr()
 
     # --- non-blocking probes (the isend/irecv progress engine uses these) -----------------------
 
@@ -134,11 +146,6 @@ class Channel:
         shm.store(self._ctl(s, 0), n + 1)  # release: the data and the two words above are visible
         self.group.ring(self.peer)
 
-    def wait_ready(self, n: int, timeout_s: float) -> tuple[torch.Tensor, int]:
-        """Receiver: wait for chunk ``n``; returns (its bytes, its tag)."""
-        self.group.wait_for(lambda: self.is_ready(n), self.peer, timeout_s, f"chunk {n}")
-        return self.header(n)
-
     def header(self, n: int) -> tuple[torch.Tensor, int]:
         """Receiver: the bytes and tag of published chunk ``n``."""
         shm, s = native().shm, n % self.slots
@@ -153,13 +160,6 @@ class Channel:
         """Receiver: chunk ``n`` was read; its slot may be reused."""
         native().shm.store(self._ctl(n % self.slots, 3), n + 1)
         self.group.ring(self.peer)
-
-    def drain(self, n: int, timeout_s: float) -> None:
-        """Sender: wait until every chunk before ``n`` was released by the receiver."""
-        if n > 0:
-            self.group.wait_for(
-                lambda: self.consumed_through(n - 1), self.peer, timeout_s, f"chunk {n - 1} to be read"
-            )
 
     @property
     def peer_aborted(self) -> bool:
@@ -263,6 +263,20 @@ class IpcTransferGroup:
         self._pids[peer] = int(info["pid"])
 
     # --- doorbells and bounded waits ------------------------------------------------------------
+
+    def runner(self, role: str, peers: list[int], steps: list[tuple]) -> object:
+        """A native runner (csrc/shm/runner.cpp) of ``steps`` over this group's channels: each
+        step is (index into ``peers``, slot control address, slot address, tag, nbytes, copy
+        descriptors), in execution order. Its waits behave like `wait_for` (bounded, liveness
+        and abort checks every ``_SLICE_S``, this group's `close` seen)."""
+        watch = [
+            (p, self._pids[p], self._peer_bells[p].base,
+             [c.aborted_address for c in self._channels.values() if c.peer == p])
+            for p in peers
+        ]
+        return native().shm.Runner(
+            role, self.rank, watch, steps, self._bell.base, self._bell.base + _CLOSED_AT, _SLICE_S
+        )
 
     def ring(self, peer: int) -> None:
         """Wake ``peer`` (after a store it waits for)."""
@@ -468,6 +482,8 @@ class IpcTransferGroup:
         if self._closed:
             return
         self._closed = True
+        native().shm.store(self._bell.base + _CLOSED_AT, 1)  # native waits of this process stop too
+        native().shm.bell_ring(self._bell.base)
         for chan in self._channels.values():
             chan.segment.unlink()
         self._channels.clear()

@@ -22,23 +22,26 @@
 #include <cstring>
 
 #include "common.h"
+#include "shm/sync.h"
 
 namespace py = pybind11;
 
 namespace awex::shm {
-namespace {
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "64-bit atomics must be lock-free");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "32-bit atomics must be lock-free");
 static_assert(sizeof(std::atomic<uint64_t>) == sizeof(uint64_t), "atomic<u64> must be a plain word");
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "atomic<u32> must be a plain word");
 
+namespace {
 template <typename T>
 std::atomic<T>* word(uintptr_t addr) {
   AWEX_CHECK_ARG(addr != 0 && addr % sizeof(T) == 0, "shared word address ", addr, " is null or not ",
                  sizeof(T), "-byte aligned");
   return reinterpret_cast<std::atomic<T>*>(addr);
 }
+
+}  // namespace
 
 uint64_t load(uintptr_t addr) { return word<uint64_t>(addr)->load(std::memory_order_acquire); }
 
@@ -53,9 +56,7 @@ void bell_ring(uintptr_t addr) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// Sleeps until the doorbell no longer reads `seen`, or `timeout_s` passes. Returns true when it
-// changed (or a spurious wake-up happened: callers re-check their condition either way).
-bool bell_wait(uintptr_t addr, uint32_t seen, double timeout_s) {
+bool futex_sleep(uintptr_t addr, uint32_t seen, double timeout_s) {
   auto* bell = word<uint32_t>(addr);
   if (bell->load(std::memory_order_acquire) != seen) return true;
   AWEX_CHECK_ARG(std::isfinite(timeout_s) && timeout_s >= 0, "timeout_s must be finite and >= 0, got ",
@@ -63,18 +64,23 @@ bool bell_wait(uintptr_t addr, uint32_t seen, double timeout_s) {
   timespec ts;
   ts.tv_sec = static_cast<time_t>(timeout_s);
   ts.tv_nsec = static_cast<long>((timeout_s - static_cast<double>(ts.tv_sec)) * 1e9);
-  long rc;
-  {
-    py::gil_scoped_release release;
-    rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, seen, &ts, nullptr, 0);
-  }
+  const long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, seen, &ts, nullptr, 0);
   if (rc == 0) return true;
   if (errno == EAGAIN || errno == EINTR) return true;
   if (errno == ETIMEDOUT) return bell->load(std::memory_order_acquire) != seen;
   throw RuntimeFailure(concat("futex wait failed: ", std::strerror(errno)));
 }
 
+namespace {
+
+bool bell_wait(uintptr_t addr, uint32_t seen, double timeout_s) {
+  py::gil_scoped_release release;
+  return futex_sleep(addr, seen, timeout_s);
+}
+
 }  // namespace
+
+void register_runner(py::module_& shm);
 
 void register_apis(py::module_& m) {
   auto sub = m.def_submodule("shm", "Cross-process words of the ipc transfer backend (csrc/shm/sync.cpp)");
@@ -85,6 +91,7 @@ void register_apis(py::module_& m) {
   sub.def("bell_wait", &bell_wait, py::arg("addr"), py::arg("seen"), py::arg("timeout_s"),
           "Sleep (GIL released) until the doorbell differs from `seen` or the timeout passes; "
           "True when it changed.");
+  register_runner(sub);
 }
 
 }  // namespace awex::shm
