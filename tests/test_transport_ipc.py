@@ -169,6 +169,7 @@ def _runner_world(rank, world_size, port):
         steps.append((0, chan.control_address(tag), chan.slot(tag).data_ptr(), tag, 16, prog.desc))
     status, failed, detail, times, _ = group.runner("recv", [1], steps).run([0], 10.0, False)
     first = {"status": status, "failed": failed, "detail": detail, "row0": out[0].tolist()}
+    first["times0"] = times[0].tolist()  # message 0: wait start <= arrival <= unpacked
     # nothing is published for chunk 2: a short timeout
     late = steps[:1]
     t0 = time.monotonic()
@@ -188,6 +189,8 @@ def test_native_runner_names_mismatches_timeouts_and_a_closed_group():
     first = out["first"]
     assert first["row0"] == list(range(16))  # message 0 landed before message 1 was refused
     assert first["status"] == 5 and first["failed"] == 1, first
+    t0, t1, t2 = first["times0"]
+    assert 0 < t0 <= t1 <= t2
     assert "expected message 1 of 16 bytes" in first["detail"] and "message 5 of 8 bytes" in first["detail"]
     assert out["timed_out"]["status"] == 1 and "timed out after 0.3s" in out["timed_out"]["detail"]
     assert out["timed_out"]["elapsed"] < 5

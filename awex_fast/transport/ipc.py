@@ -6,9 +6,9 @@ kernel (sender -> socket buffer -> receiver) on top of whatever packing the exec
 executor packs (and casts) straight into the receiver's slot and the receiver unpacks straight
 out of it (`Channel`; awex_fast.executor replays a whole update's messages through
 `IpcTransferGroup.runner`, csrc/shm/runner.cpp, with no Python between messages), so a staged
-message costs one copy per side and nothing else. Plain `isend`/`irecv` (baselines, checksum lists) stream through a channel of
-their own in ``chunk_bytes`` pieces, pipelined, and progress whenever this rank waits on any of
-them (one caller thread; no progress thread of its own).
+message costs one copy per side and nothing else. Plain `isend`/`irecv` (baselines, checksum
+lists) stream through a channel of their own in ``chunk_bytes`` pieces, pipelined, and progress
+whenever this rank waits on any of them (one caller thread; no progress thread of its own).
 
 Synchronisation (csrc/shm/sync.cpp): per slot, the sender release-stores ``ready = n + 1`` once
 chunk ``n`` is in it and the receiver release-stores ``consumed = n + 1`` once it has read it;
