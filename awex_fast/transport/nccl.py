@@ -3,8 +3,9 @@
 Why not torch.distributed's NCCL: a separate communicator on a dedicated stream whose waits can
 time out and call ncclCommAbort, with no dependency on how (or whether) the caller's torch was
 built with NCCL. The unique id travels through the transfer group's rendezvous store as raw
-bytes. Library search order: the nvidia-nccl-cu13 / -cu12 wheel's lib directory, then the system
-path (libnccl.so.2), then AWEX_FAST_NCCL_LIBRARY if set (first).
+bytes. Library search order: AWEX_FAST_NCCL_LIBRARY if set, then every libnccl.so* inside the
+nvidia-nccl-cu12 / -cu13 wheels (the ``nvidia`` namespace package), then the bare soname
+libnccl.so.2 for the system search path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from awex_fast._native import native
-from awex_fast.transport.base import make_store
+from awex_fast.transport.base import make_store, timedelta
 
 
 def nccl_candidates() -> list[str]:
@@ -86,16 +87,35 @@ class NativeNcclGroup:
             self.store.set("nccl_unique_id", native().nccl.unique_id())
         uid = self.store.get("nccl_unique_id")
         self.device = torch.cuda.current_device() if device is None else device
+        # ncclCommInitRank (blocking communicator) waits for every rank with no timeout of its
+        # own, so first check through the store, with a timeout, that every rank got this far:
+        # a rank that died or never started then fails here instead of hanging the others.
+        self.store.set(f"nccl_joined_rank{rank}", b"1")
+        joined = [f"nccl_joined_rank{r}" for r in range(world_size)]
+        try:
+            self.store.wait(joined, timedelta(timeout_s))
+        except RuntimeError as exc:  # torch's DistStoreError on timeout
+            missing = [r for r, key in enumerate(joined) if not self.store.check([key])]
+            raise TimeoutError(
+                f"native-nccl rank {rank}: ranks {missing} did not join within {timeout_s:.1f}s"
+            ) from exc
         self._comm = native().nccl.Comm(bytes(uid), world_size, rank, self.device)
+
+    def _check_tensor(self, t: torch.Tensor) -> None:
+        # The communicator, its stream and the producer stream all live on self.device; a tensor
+        # elsewhere would fail deep in CUDA with "invalid resource handle".
+        if t.device.type != "cuda" or not t.is_contiguous():
+            raise ValueError("native-nccl moves contiguous CUDA tensors")
+        if t.device.index is not None and t.device.index != self.device:
+            raise ValueError(f"native-nccl group is on cuda:{self.device} but the tensor is on {t.device}")
 
     def _post(self, tensor: torch.Tensor, peer: int, is_send: bool) -> _NcclPending:
         if self._comm is None:
             raise RuntimeError("native-nccl transfer group was closed or aborted")
-        if tensor.device.type != "cuda" or not tensor.is_contiguous():
-            raise ValueError("native-nccl moves contiguous CUDA tensors")
+        self._check_tensor(tensor)
         if not 0 <= peer < self.world_size:
             raise ValueError(f"peer {peer} outside a {self.world_size}-rank group")
-        producer = torch.cuda.current_stream(tensor.device).cuda_stream
+        producer = torch.cuda.current_stream(self.device).cuda_stream
         nbytes = tensor.numel() * tensor.element_size()
         event = self._comm.post([(is_send, tensor.data_ptr(), nbytes, peer)], producer)
         return _NcclPending(self._comm, event, f"{'send to' if is_send else 'receive from'} rank {peer}")
@@ -106,8 +126,9 @@ class NativeNcclGroup:
         if self._comm is None:
             raise RuntimeError("native-nccl transfer group was closed or aborted")
         for _, t, peer in ops:
-            if t.device.type != "cuda" or not t.is_contiguous() or not 0 <= peer < self.world_size:
-                raise ValueError("native-nccl moves contiguous CUDA tensors between ranks of its group")
+            self._check_tensor(t)
+            if not 0 <= peer < self.world_size:
+                raise ValueError(f"peer {peer} outside a {self.world_size}-rank group")
         producer = torch.cuda.current_stream(self.device).cuda_stream
         raw = [(s, t.data_ptr(), t.numel() * t.element_size(), p) for s, t, p in ops]
         return _NcclPending(self._comm, self._comm.post(raw, producer), f"{len(ops)} grouped operations")

@@ -24,7 +24,7 @@ AWEX_HD uint64_t word_term(uint64_t word, uint64_t index) {
 
 uint64_t checksum_cpu(const void* data, int64_t nbytes);
 #if defined(AWEX_FAST_WITH_CUDA)
-uint64_t checksum_cuda(const void* data, int64_t nbytes, uintptr_t stream);
+uint64_t checksum_cuda(const void* data, int64_t nbytes, int device, uintptr_t stream);
 #endif
 
 }  // namespace awex::copy

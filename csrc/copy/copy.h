@@ -80,8 +80,9 @@ void set_num_threads(int n);
 int num_threads();
 
 #if defined(AWEX_FAST_WITH_CUDA)
-// One kernel launch for the whole list on `stream` (a cudaStream_t as an integer).
-void copy_cuda(const std::vector<Box>& boxes, uintptr_t stream);
+// One kernel launch for the whole list on `stream` (a cudaStream_t of `device`, as an integer),
+// with `device` current during the call.
+void copy_cuda(const std::vector<Box>& boxes, int device, uintptr_t stream);
 #endif
 
 // --- float conversions, bit-identical to torch (c10::BFloat16 / c10::Half) ------------------

@@ -36,7 +36,7 @@ void copy_boxes(const py::buffer& desc, int device, uintptr_t stream, bool strea
     return;
   }
 #if defined(AWEX_FAST_WITH_CUDA)
-  copy_cuda(normalize(v.data, v.rows, /*max_unit=*/16), stream);
+  copy_cuda(normalize(v.data, v.rows, /*max_unit=*/16), device, stream);
 #else
   (void)stream;
   throw ArgumentError("a CUDA copy was asked for but awex_fast was built without CUDA "
@@ -74,7 +74,7 @@ uint64_t checksum(uintptr_t ptr, int64_t nbytes, int device, uintptr_t stream) {
   if (device < 0) return checksum_cpu(reinterpret_cast<const void*>(ptr), nbytes);
 #if defined(AWEX_FAST_WITH_CUDA)
   AWEX_CHECK_ARG(ptr % 8 == 0, "CUDA checksum needs an 8-byte aligned buffer");
-  return checksum_cuda(reinterpret_cast<const void*>(ptr), nbytes, stream);
+  return checksum_cuda(reinterpret_cast<const void*>(ptr), nbytes, device, stream);
 #else
   (void)stream;
   throw ArgumentError("a CUDA checksum was asked for but awex_fast was built without CUDA");

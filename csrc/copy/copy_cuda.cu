@@ -11,13 +11,8 @@
 #include "common.h"
 #include "copy/checksum.h"
 #include "copy/copy.h"
+#include "cuda_util.h"
 
-#define AWEX_CUDA_CHECK(expr)                                                             \
-  do {                                                                                    \
-    cudaError_t err__ = (expr);                                                           \
-    AWEX_CHECK_RT(err__ == cudaSuccess, "CUDA call ", #expr, " failed: ",                 \
-                  cudaGetErrorString(err__));                                             \
-  } while (0)
 
 namespace awex::copy {
 namespace {
@@ -26,9 +21,49 @@ constexpr int kThreads = 256;
 constexpr int64_t kChunk = kThreads * 16;  // units per block iteration
 constexpr int64_t kMaxBlocks = 8192;
 
+// normalize() checks alignment only when it widens a bitwise copy; the element size itself is
+// assumed aligned. A misaligned typed access on the GPU is a sticky error that ruins the whole
+// CUDA context (every later torch call fails), so check here and fall back to bytes.
 template <typename T>
 __device__ __forceinline__ void move(const char* s, char* d) {
-  *reinterpret_cast<T*>(d) = *reinterpret_cast<const T*>(s);
+  if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & (sizeof(T) - 1)) == 0) {
+    *reinterpret_cast<T*>(d) = *reinterpret_cast<const T*>(s);
+  } else {
+    for (size_t k = 0; k < sizeof(T); ++k) d[k] = s[k];
+  }
+}
+
+// Element access for the casting path. memcpy from a char* compiles to one byte load/store per
+// byte (ld.u8/st.u8 in the PTX), 4x the memory instructions for float32; elements are
+// naturally aligned in practice (torch tensors, wire offsets that are multiples of the
+// itemsize), so use one typed access then and keep memcpy only for a misaligned address.
+template <typename T>
+__device__ __forceinline__ T load_elem(const char* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & (sizeof(T) - 1)) == 0) return *reinterpret_cast<const T*>(p);
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ void store_elem(char* p, T v) {
+  if ((reinterpret_cast<uintptr_t>(p) & (sizeof(T) - 1)) == 0) *reinterpret_cast<T*>(p) = v;
+  else memcpy(p, &v, sizeof(T));
+}
+
+// 16-bit floats widen through the intrinsics c10::Half / c10::BFloat16 use on the GPU
+// (__half2float; __bfloat162float, which is cvt.f32.bf16 on sm_90), so that what torch's .to()
+// does on CUDA, NaN bit patterns included, is what this kernel does. Numbers widen exactly
+// either way; copy.h's portable bit tricks are kept for the CPU path. Narrowing uses copy.h's
+// f32_to_bf16 / f32_to_f16, which already pick the intrinsics torch uses on the device.
+__device__ __forceinline__ float load_f32(int kind, const char* s) {
+  if (kind == kF32) return load_elem<float>(s);
+  const uint16_t h = load_elem<uint16_t>(s);
+  return kind == kBF16 ? __bfloat162float(__ushort_as_bfloat16(h)) : __half2float(__ushort_as_half(h));
+}
+
+__device__ __forceinline__ void store_f32(int kind, char* d, float v) {
+  if (kind == kF32) store_elem<float>(d, v);
+  else store_elem<uint16_t>(d, kind == kBF16 ? f32_to_bf16(v) : f32_to_f16(v));
 }
 
 __device__ __forceinline__ void copy_element(const Box& b, int64_t e) {
@@ -66,17 +101,7 @@ __device__ __forceinline__ void copy_element(const Box& b, int64_t e) {
         return;
     }
   }
-  float v;
-  switch (b.src_kind) {
-    case kF32: v = load_as_f32<kF32>(s); break;
-    case kBF16: v = load_as_f32<kBF16>(s); break;
-    default: v = load_as_f32<kF16>(s); break;
-  }
-  switch (b.dst_kind) {
-    case kF32: store_from_f32<kF32>(d, v); break;
-    case kBF16: store_from_f32<kBF16>(d, v); break;
-    default: store_from_f32<kF16>(d, v); break;
-  }
+  store_f32(b.dst_kind, d, load_f32(b.src_kind, s));
 }
 
 // boxes: [nboxes]; chunk_start: [nboxes + 1] prefix of chunks per box.
@@ -113,8 +138,9 @@ __global__ void checksum_kernel(const uint64_t* words, int64_t n, unsigned long 
 
 }  // namespace
 
-void copy_cuda(const std::vector<Box>& boxes, uintptr_t stream_handle) {
+void copy_cuda(const std::vector<Box>& boxes, int device, uintptr_t stream_handle) {
   if (boxes.empty()) return;
+  DeviceGuard guard(device);  // the kernel runs on the tensors' device, not the caller's current one
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const size_t n = boxes.size();
   std::vector<int64_t> chunk_start(n + 1, 0);
@@ -138,8 +164,9 @@ void copy_cuda(const std::vector<Box>& boxes, uintptr_t stream_handle) {
   AWEX_CUDA_CHECK(cudaFreeAsync(table, stream));
 }
 
-uint64_t checksum_cuda(const void* data, int64_t nbytes, uintptr_t stream_handle) {
+uint64_t checksum_cuda(const void* data, int64_t nbytes, int device, uintptr_t stream_handle) {
   AWEX_CHECK_ARG(nbytes >= 0, "checksum of a negative byte count");
+  DeviceGuard guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int64_t words = nbytes / 8;
   unsigned long long* acc = nullptr;

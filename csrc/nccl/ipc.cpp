@@ -30,6 +30,7 @@
 #include <string>
 
 #include "common.h"
+#include "cuda_util.h"
 
 namespace py = pybind11;
 
@@ -65,20 +66,6 @@ GetAddressRange address_range_fn() {
   return fn;
 }
 
-// Restores the caller's current device: these helpers run on threads that also run torch.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    AWEX_IPC_CUDA_CHECK(cudaGetDevice(&previous_), "(current device)");
-    AWEX_IPC_CUDA_CHECK(cudaSetDevice(device), "(device ", device, ")");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 std::string uuid_of(int device) {
   static std::mutex mutex;
@@ -105,7 +92,8 @@ py::dict export_handle(uintptr_t ptr, int device) {
                 ": not device memory of this process?");
   cudaIpcMemHandle_t handle;
   AWEX_IPC_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)), "(pointer ", ptr, ", device ",
-                      device, "; PyTorch's expandable_segments allocator cannot export IPC handles)");
+                      device, "; legacy IPC cannot export memory of PyTorch's expandable_segments or "
+                      "cudaMallocAsync allocator backends)");
   py::dict out;
   out["handle"] = py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
   out["base"] = static_cast<uintptr_t>(base);

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cuda_util.h"
 
 namespace py = pybind11;
 
@@ -77,12 +78,6 @@ void resolve(F& fn, const char* name) {
     AWEX_CHECK_RT(r__ == 0, "NCCL call ", #expr, " failed: ", g_nccl.GetErrorString(r__)); \
   } while (0)
 
-#define AWEX_CUDA_CHECK(expr)                                                                  \
-  do {                                                                                         \
-    cudaError_t e__ = (expr);                                                                  \
-    AWEX_CHECK_RT(e__ == cudaSuccess, "CUDA call ", #expr, " failed: ", cudaGetErrorString(e__)); \
-  } while (0)
-
 // Loads the first library of `candidates` that opens (Python builds the list: the nvidia-nccl
 // wheel's lib directory first, then the bare soname for the system search path).
 py::dict load(const std::vector<std::string>& candidates) {
@@ -102,22 +97,31 @@ py::dict load(const std::vector<std::string>& candidates) {
     AWEX_CHECK_RT(g_nccl.handle != nullptr, "could not load NCCL; tried:", errors,
                   "\ninstall nvidia-nccl-cu12 or nvidia-nccl-cu13, or put libnccl.so.2 on the "
                   "library path");
-    resolve(g_nccl.GetVersion, "ncclGetVersion");
-    resolve(g_nccl.GetErrorString, "ncclGetErrorString");
-    resolve(g_nccl.GetUniqueId, "ncclGetUniqueId");
-    resolve(g_nccl.CommInitRank, "ncclCommInitRank");
-    resolve(g_nccl.CommAbort, "ncclCommAbort");
-    resolve(g_nccl.CommDestroy, "ncclCommDestroy");
-    resolve(g_nccl.CommGetAsyncError, "ncclCommGetAsyncError");
-    resolve(g_nccl.Send, "ncclSend");
-    resolve(g_nccl.Recv, "ncclRecv");
-    resolve(g_nccl.GroupStart, "ncclGroupStart");
-    resolve(g_nccl.GroupEnd, "ncclGroupEnd");
-    AWEX_NCCL_CHECK(g_nccl.GetVersion(&g_nccl.version));
-    // Versions are encoded major*10000 + minor*100 + patch since 2.9, major*1000 + ... before.
-    const int v = g_nccl.version;
-    const bool ok = v >= 20400 || (v >= 2400 && v < 10000);
-    AWEX_CHECK_RT(ok, "NCCL ", v, " at ", g_nccl.path, " is too old: awex_fast needs 2.4 or newer");
+    // A library that opened but is unusable (a symbol missing, too old) must not stay half
+    // loaded: `handle` doubles as "loaded", so a second load() would otherwise report success
+    // and later calls would jump through null function pointers.
+    try {
+      resolve(g_nccl.GetVersion, "ncclGetVersion");
+      resolve(g_nccl.GetErrorString, "ncclGetErrorString");
+      resolve(g_nccl.GetUniqueId, "ncclGetUniqueId");
+      resolve(g_nccl.CommInitRank, "ncclCommInitRank");
+      resolve(g_nccl.CommAbort, "ncclCommAbort");
+      resolve(g_nccl.CommDestroy, "ncclCommDestroy");
+      resolve(g_nccl.CommGetAsyncError, "ncclCommGetAsyncError");
+      resolve(g_nccl.Send, "ncclSend");
+      resolve(g_nccl.Recv, "ncclRecv");
+      resolve(g_nccl.GroupStart, "ncclGroupStart");
+      resolve(g_nccl.GroupEnd, "ncclGroupEnd");
+      AWEX_NCCL_CHECK(g_nccl.GetVersion(&g_nccl.version));
+      // NCCL_VERSION(X,Y,Z) in nccl.h: X*1000 + Y*100 + Z up to 2.8, X*10000 + Y*100 + Z after.
+      const int v = g_nccl.version;
+      const bool ok = v >= 20400 || (v >= 2400 && v < 10000);
+      AWEX_CHECK_RT(ok, "NCCL ", v, " at ", g_nccl.path, " is too old: awex_fast needs 2.4 or newer");
+    } catch (...) {
+      dlclose(g_nccl.handle);
+      g_nccl = Nccl{};
+      throw;
+    }
   }
   py::dict info;
   info["path"] = g_nccl.path;
@@ -144,16 +148,27 @@ class Comm {
                    sizeof(ncclUniqueId), " bytes, got ", id_bytes.size());
     ncclUniqueId id;
     memcpy(id.internal, id_bytes.data(), sizeof(id.internal));
-    AWEX_CUDA_CHECK(cudaSetDevice(device_));
+    DeviceGuard guard(device_);  // ncclCommInitRank binds the communicator to the current device
     AWEX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     py::gil_scoped_release release;
-    AWEX_NCCL_CHECK(g_nccl.CommInitRank(&comm_, nranks, id, rank));
+    const ncclResult_t r = g_nccl.CommInitRank(&comm_, nranks, id, rank);
+    if (r != 0) {  // a throwing constructor runs no destructor: free the stream here
+      cudaStreamDestroy(stream_);
+      stream_ = nullptr;
+      comm_ = nullptr;
+    }
+    AWEX_CHECK_RT(r == 0, "ncclCommInitRank (rank ", rank, " of ", nranks, ", device ", device_,
+                  ") failed: ", g_nccl.GetErrorString(r));
   }
   ~Comm() {
     try {
       close(false);
     } catch (...) {
     }
+    // The stream outlives close(): post() runs without the GIL, so an abort from another thread
+    // may land while a post is still using stream_; the bound method keeps this object alive
+    // until that post returns, so the destructor is the first safe point to destroy it.
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   // Queue sends/receives as one NCCL group after the producer stream's work so far.
@@ -161,7 +176,11 @@ class Comm {
   uintptr_t post(const std::vector<std::tuple<bool, uintptr_t, int64_t, int>>& ops,
                  uintptr_t producer_stream) {
     AWEX_CHECK_RT(comm_ != nullptr, "NCCL communicator was closed or aborted");
-    AWEX_CUDA_CHECK(cudaSetDevice(device_));
+    DeviceGuard guard(device_);
+    // ncclGroupEnd of a blocking communicator can wait on the peer (the first operation with a
+    // peer connects to it), so never hold the GIL here: other threads of this process (HTTP
+    // servers, a rank driven by another thread, whoever would abort) must keep running.
+    py::gil_scoped_release release;
     cudaEvent_t ready;
     AWEX_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     AWEX_CUDA_CHECK(cudaEventRecord(ready, reinterpret_cast<cudaStream_t>(producer_stream)));
@@ -186,11 +205,17 @@ class Comm {
   // 1: done (event destroyed), 0: still running; raises on an asynchronous NCCL error.
   int query(uintptr_t event) {
     auto ev = reinterpret_cast<cudaEvent_t>(event);
+    // ncclCommAbort cancels queued operations, yet their completion events still fire: after an
+    // abort, "done" no longer means "the bytes moved", so never report success.
+    AWEX_CHECK_RT(!aborted_, "NCCL communicator was aborted; the operation may not have completed");
     const cudaError_t st = cudaEventQuery(ev);
     if (st == cudaSuccess) {
       AWEX_CUDA_CHECK(cudaEventDestroy(ev));
       return 1;
     }
+    // Not done, and after close/abort the communicator handle is gone: say so rather than pass
+    // nullptr to ncclCommGetAsyncError (a misleading "invalid argument").
+    AWEX_CHECK_RT(comm_ != nullptr, "NCCL communicator was closed or aborted");
     AWEX_CHECK_RT(st == cudaErrorNotReady, "CUDA error while waiting for NCCL: ", cudaGetErrorString(st));
     ncclResult_t async_err = 0;
     AWEX_NCCL_CHECK(g_nccl.CommGetAsyncError(comm_, &async_err));
@@ -201,6 +226,8 @@ class Comm {
 
   // Make the caller's stream wait for everything queued so far (receives landed).
   void join(uintptr_t consumer_stream) {
+    AWEX_CHECK_RT(comm_ != nullptr, "NCCL communicator was closed or aborted");
+    DeviceGuard guard(device_);
     cudaEvent_t ev;
     AWEX_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     AWEX_CUDA_CHECK(cudaEventRecord(ev, stream_));
@@ -213,15 +240,12 @@ class Comm {
     if (comm_ == nullptr) return;
     ncclComm_t c = comm_;
     comm_ = nullptr;
-    {
-      py::gil_scoped_release release;
-      if (abort) g_nccl.CommAbort(c);
-      else g_nccl.CommDestroy(c);
-    }
-    if (stream_ != nullptr) {
-      cudaStreamDestroy(stream_);
-      stream_ = nullptr;
-    }
+    aborted_ = abort;
+    py::gil_scoped_release release;
+    // Results deliberately unchecked: this is teardown (and runs from the destructor), and an
+    // abort after a failure is expected to report that failure again.
+    if (abort) g_nccl.CommAbort(c);
+    else g_nccl.CommDestroy(c);
   }
 
   uintptr_t stream() const { return reinterpret_cast<uintptr_t>(stream_); }
@@ -230,6 +254,7 @@ class Comm {
   int device_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  bool aborted_ = false;
 };
 
 }  // namespace
