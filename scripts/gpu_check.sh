@@ -43,7 +43,14 @@ section pytest_gpu bash -c "cd '$OUT' && '$PY' -m pytest -m gpu -q -p no:cachepr
 section bench_copy bash -c "cd '$OUT' && '$PY' '$repo'/benchmarks/bench_copy.py --device cuda --samples 20 \
   --json '$OUT/bench_copy.json'"
 
-# Later capabilities (executor, native NCCL, CUDA IPC) add their sections here.
+# --- the README main job on this machine's cores (CPU ranks; one GPU cannot host two NCCL ranks),
+# gloo and the shared-memory ipc transport, every method the image can run, JSON per backend -----
+for backend in gloo ipc; do
+  section "bench_sync_$backend" bash -c "cd '$OUT' && '$PY' -m awex_fast.cli bench --backend $backend \
+    --iters 5 --json '$OUT/bench_sync_$backend.json'"
+done
+
+# Later capabilities (executor over native NCCL between GPUs) add their sections here.
 
 cat "$status"
 ! grep -v " rc=0 " "$status" >/dev/null
