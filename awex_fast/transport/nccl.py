@@ -101,37 +101,34 @@ class NativeNcclGroup:
             ) from exc
         self._comm = native().nccl.Comm(bytes(uid), world_size, rank, self.device)
 
-    def _check_tensor(self, t: torch.Tensor) -> None:
-        # The communicator, its stream and the producer stream all live on self.device; a tensor
-        # elsewhere would fail deep in CUDA with "invalid resource handle".
-        if t.device.type != "cuda" or not t.is_contiguous():
-            raise ValueError("native-nccl moves contiguous CUDA tensors")
-        if t.device.index is not None and t.device.index != self.device:
-            raise ValueError(f"native-nccl group is on cuda:{self.device} but the tensor is on {t.device}")
-
-    def _post(self, tensor: torch.Tensor, peer: int, is_send: bool) -> _NcclPending:
-        if self._comm is None:
-            raise RuntimeError("native-nccl transfer group was closed or aborted")
-        self._check_tensor(tensor)
-        if not 0 <= peer < self.world_size:
-            raise ValueError(f"peer {peer} outside a {self.world_size}-rank group")
-        producer = torch.cuda.current_stream(self.device).cuda_stream
-        nbytes = tensor.numel() * tensor.element_size()
-        event = self._comm.post([(is_send, tensor.data_ptr(), nbytes, peer)], producer)
-        return _NcclPending(self._comm, event, f"{'send to' if is_send else 'receive from'} rank {peer}")
-
-    def post_group(self, ops: list[tuple[bool, torch.Tensor, int]]) -> _NcclPending:
-        """Queue several sends/receives ``(is_send, tensor, peer)`` as one NCCL group (needed for
-        a send and a receive between the same pair, e.g. to this rank itself)."""
+    def _submit(self, ops: list[tuple[bool, torch.Tensor, int]], what: str) -> _NcclPending:
+        """Validate ``(is_send, tensor, peer)`` ops and queue them as one NCCL group after the
+        caller's current stream; the one path behind isend/irecv and `post_group`."""
         if self._comm is None:
             raise RuntimeError("native-nccl transfer group was closed or aborted")
         for _, t, peer in ops:
-            self._check_tensor(t)
+            # The communicator, its stream and the producer stream all live on self.device; a
+            # tensor elsewhere would fail deep in CUDA with "invalid resource handle".
+            if t.device.type != "cuda" or not t.is_contiguous():
+                raise ValueError("native-nccl moves contiguous CUDA tensors")
+            if t.device.index is not None and t.device.index != self.device:
+                raise ValueError(
+                    f"native-nccl group is on cuda:{self.device} but the tensor is on {t.device}"
+                )
             if not 0 <= peer < self.world_size:
                 raise ValueError(f"peer {peer} outside a {self.world_size}-rank group")
         producer = torch.cuda.current_stream(self.device).cuda_stream
         raw = [(s, t.data_ptr(), t.numel() * t.element_size(), p) for s, t, p in ops]
-        return _NcclPending(self._comm, self._comm.post(raw, producer), f"{len(ops)} grouped operations")
+        return _NcclPending(self._comm, self._comm.post(raw, producer), what)
+
+    def _post(self, tensor: torch.Tensor, peer: int, is_send: bool) -> _NcclPending:
+        what = f"{'send to' if is_send else 'receive from'} rank {peer}"
+        return self._submit([(is_send, tensor, peer)], what)
+
+    def post_group(self, ops: list[tuple[bool, torch.Tensor, int]]) -> _NcclPending:
+        """Queue several sends/receives ``(is_send, tensor, peer)`` as one NCCL group (needed for
+        a send and a receive between the same pair, e.g. to this rank itself)."""
+        return self._submit(ops, f"{len(ops)} grouped operations")
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _NcclPending:
         """Queue a send of ``tensor`` after the current stream's work (NCCL orders by issue, so

@@ -13,7 +13,6 @@
 #include "copy/copy.h"
 #include "cuda_util.h"
 
-
 namespace awex::copy {
 namespace {
 

@@ -66,7 +66,6 @@ GetAddressRange address_range_fn() {
   return fn;
 }
 
-
 std::string uuid_of(int device) {
   static std::mutex mutex;
   static std::map<int, std::string> cache;  // cudaGetDeviceProperties takes milliseconds
