@@ -1,0 +1,291 @@
+"""The worker half of the awex_fast vLLM backend: runs inside every vLLM worker process.
+
+vLLM creates one `AwexFastWeightTransferEngine` per worker (``--weight-transfer-config
+'{"backend": "awex_fast"}'``) and drives it through four RPCs that trainer rank 0 sends:
+
+* ``init_transfer_engine``: read the trainer's checkpoint names/shapes from the KV store, learn
+  where vLLM's loaders put each box (`awex_fast.vllm.layout`), publish this worker's pieces,
+  plan, join the transfer group, warm it up. A layout the backend cannot serve (a name vLLM
+  does not know, a vLLM parameter the trainer does not cover, a loader that is not a box copy)
+  is refused here, before any byte moves, and the error reaches the trainer.
+* ``start_weight_update``: nothing to prepare (the plan and buffers are cached).
+* ``update_weights({"version": v})``: receive exactly the boxes this worker keeps.
+  ``staged`` (always on CPU, and wherever vLLM post-processes weights): into checkpoint-format
+  buffers first; only when every byte arrived does vLLM's layerwise reload load them, so a
+  failed transfer leaves the served weights at the previous version. ``inplace`` (CUDA, no
+  post-processing): straight into the live parameters, zero-copy.
+* ``finish_weight_update``: vLLM's ``finalize_layerwise_reload`` (repacking, quantization).
+
+A failure raises naming this worker, its engine and what failed; after one, the transfer group
+is torn down and the next ``init_transfer_engine`` re-forms it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from awex_fast.adapters import InferenceAdapter
+from awex_fast.kvstore import KVStoreClient
+from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta
+from awex_fast.transport import TransferError
+from awex_fast.vllm import rendezvous
+from awex_fast.vllm.layout import LayoutError, LoadLayout, record_load_layout
+
+__all__ = ["LOAD_MODES", "AwexFastUpdateInfo", "AwexFastWeightTransferEngine", "AwexFastWorkerInitInfo"]
+
+logger = logging.getLogger(__name__)
+LOAD_MODES = ("auto", "staged", "inplace")
+
+
+@dataclass
+class AwexFastWorkerInitInfo(WeightTransferInitInfo):
+    """What trainer rank 0 sends every worker at ``/init_weight_transfer_engine`` (plain JSON)."""
+
+    kv_store_url: str
+    admin_api_key: str
+    pair: str
+    train_world_size: int
+    engine_index: int = 0
+    num_engines: int = 1
+    master_addr: str = "127.0.0.1"
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+    load_mode: str = "auto"
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
+        if not 0 <= int(self.engine_index) < int(self.num_engines):
+            raise ValueError(f"engine_index {self.engine_index} outside {self.num_engines} engines")
+        if int(self.train_world_size) < 1:
+            raise ValueError(f"train_world_size must be positive, got {self.train_world_size}")
+
+
+@dataclass
+class AwexFastUpdateInfo(WeightTransferUpdateInfo):
+    """What trainer rank 0 sends at ``/update_weights``: the version being delivered."""
+
+    version: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ValueError(f"version must be a non-negative integer, got {self.version!r}")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise MetadataError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, AwexFastUpdateInfo]):
+    """vLLM worker engine of backend ``"awex_fast"`` (module docstring)."""
+
+    init_info_cls = AwexFastWorkerInitInfo
+    update_info_cls = AwexFastUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        pc = self.parallel_config
+        self.engine_rank = int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
+        self.engine_size = int(pc.world_size) * int(pc.data_parallel_size)
+        self.adapter: InferenceAdapter | None = None
+        self.info: AwexFastWorkerInitInfo | None = None
+        self.layout: LoadLayout | None = None
+        self.mode = "staged"
+        self._tensors: dict[str, torch.Tensor] = {}  # canonical name -> receive target
+        self._staged: list[str] = []  # names loaded through model.load_weights after receiving
+        self._reloading = False
+        self.version: int | None = None
+        self.last_timings: dict[str, float] = {}
+
+    # --- naming ---------------------------------------------------------------------------------
+
+    @property
+    def who(self) -> str:
+        """This worker, as errors name it."""
+        engine = self.info.engine_index if self.info is not None else "?"
+        return f"vLLM engine {engine} worker {self.engine_rank} (pid {os.getpid()})"
+
+    # --- init -----------------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: AwexFastWorkerInitInfo) -> None:
+        """Join (module docstring). Raises `WorkerInitError` naming this worker and the cause."""
+        self.shutdown()
+        self.info = info = init_info
+        kv = KVStoreClient(info.kv_store_url, info.admin_api_key)
+        try:
+            try:
+                train = rendezvous.training_metas(kv, info.pair, info.timeout_s)
+                metas = self._prepare(train, info.load_mode)
+            except (LayoutError, MetadataError, ValueError, TimeoutError) as exc:
+                rendezvous.publish_worker_error(kv, info.pair, info.engine_index, self.engine_rank, exc)
+                raise rendezvous.WorkerInitError(f"{self.who}: {exc}") from exc
+            rendezvous.publish_worker(kv, info.pair, info.engine_index, self.engine_rank,
+                                      self.engine_size, metas)
+            sizes = rendezvous.engine_sizes(kv, info.pair, info.timeout_s)
+        finally:
+            kv.close()
+        infer_world = sum(sizes)
+        base = sum(sizes[: info.engine_index])
+        tp = int(self.parallel_config.tensor_parallel_size)
+        adapter = InferenceAdapter(lambda: self._tensors, metas=metas, rank=self.engine_rank,
+                                   engine_size=self.engine_size, tp_size=tp,
+                                   admin_api_key=info.admin_api_key, backend=info.backend,
+                                   timeout_s=info.timeout_s, verify=info.verify)
+        try:
+            adapter.init_weight_update_group(
+                pair_name=info.pair, master_addr=info.master_addr, master_port=0,
+                transfer_rank=base + self.engine_rank, world_size=infer_world + info.train_world_size,
+                kv_store_url=info.kv_store_url, infer_world_size=infer_world,
+                train_world_size=info.train_world_size, num_engines=info.num_engines)
+            adapter.batch_isend_irecv()
+        except BaseException as exc:
+            adapter.teardown_weight_update_group()
+            raise rendezvous.WorkerInitError(f"{self.who}: joining the transfer group failed: {exc}") from exc
+        self.adapter = adapter
+        logger.info("awex_fast: %s joined pair %r as transfer rank %d (%s, %d names, %d staged)", self.who,
+                    info.pair, base + self.engine_rank, self.mode, len(self._tensors), len(self._staged))
+
+    def _prepare(self, train: list[ParameterMeta], load_mode: str) -> list[ParameterMeta]:
+        """Learn the layout for the trainer's names, choose receive targets, return this worker's
+        pieces (engine-local rank)."""
+        offered = [(m.name, m.global_shape, _torch_dtype(m.dtype)) for m in train]
+        layout = record_load_layout(self.model, offered)
+        live = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        unchanged = all(self._unprocessed(layout, c.param, live) for cs in layout.copies.values() for c in cs)
+        if load_mode == "inplace" and not unchanged:
+            bad = sorted({c.param for cs in layout.copies.values() for c in cs
+                          if not self._unprocessed(layout, c.param, live)})
+            raise LayoutError(f"load_mode 'inplace': vLLM post-processes {bad[:5]} (their live tensors "
+                              "are not in the loaders' format); use 'staged' or 'auto'")
+        inplace = load_mode == "inplace" or (load_mode == "auto" and unchanged and self.device.type == "cuda")
+        self.mode = "inplace" if inplace else "staged"
+        by_name = {m.name: m for m in train}
+        tensors: dict[str, torch.Tensor] = {}
+        staged: list[str] = []
+        metas: list[ParameterMeta] = []
+        for name, copies in layout.copies.items():
+            meta = by_name[name]
+            pieces = layout.pieces(name)
+            single = len(copies) == 1
+            if inplace and single:
+                c = copies[0]
+                param = live[c.param]
+                tensors[name] = param.detach().as_strided(c.src_shape, c.dst_strides,
+                                                          param.storage_offset() + c.dst_offset)
+                shards = [ShardMeta(self.engine_rank, c.src_offset, c.src_shape)]
+                dtype = param.dtype
+            else:
+                dtype = self._staging_dtype(layout, copies, live)
+                # full checkpoint shape, of which only this worker's boxes are ever written (on the
+                # CPU untouched pages are never committed); vLLM's loaders narrow to the same boxes
+                tensors[name] = torch.empty(meta.global_shape, dtype=dtype, device=self.device)
+                shards = [ShardMeta(self.engine_rank, off, shape, off) for off, shape in pieces]
+                staged.append(name)
+            metas.append(ParameterMeta(name, meta.global_shape, str(dtype).removeprefix("torch."), shards))
+        self.layout, self._tensors, self._staged = layout, tensors, staged
+        return metas
+
+    @staticmethod
+    def _unprocessed(layout: LoadLayout, param: str, live: dict[str, torch.Tensor]) -> bool:
+        fmt, now = layout.load_format.get(param), live.get(param)
+        return (fmt is not None and now is not None and tuple(fmt.shape) == tuple(now.shape)
+                and fmt.stride() == now.stride() and fmt.dtype == now.dtype)
+
+    def _staging_dtype(self, layout: LoadLayout, copies: list, live: dict[str, torch.Tensor]) -> torch.dtype:
+        """The dtype the loaders receive: that of the destination in load format. A tensor vLLM
+        never puts back into load format (a bias, created after the weights) may have been cast
+        by processing; it loads in the model's dtype."""
+        fmt = layout.load_format[copies[0].param]
+        if not fmt.is_meta and fmt.is_floating_point():
+            return self.model_config.dtype
+        return fmt.dtype
+
+    # --- updates --------------------------------------------------------------------------------
+
+    def _require_adapter(self) -> InferenceAdapter:
+        if self.adapter is None:
+            raise RuntimeError(f"{self.who}: awex_fast has no transfer group (never initialised, or torn "
+                               "down after a failed round); call init_weight_transfer_engine")
+        return self.adapter
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the plan and the receive buffers are cached from init."""
+        self._require_adapter()
+
+    def receive_weights(self, update_info: AwexFastUpdateInfo) -> None:
+        """Receive this worker's boxes of ``update_info.version`` and hand them to vLLM."""
+        adapter = self._require_adapter()
+        version = update_info.version
+        t0 = time.perf_counter()
+        try:
+            adapter.execute_weight_update(version)
+        except (TransferError, RuntimeError, TimeoutError, ValueError) as exc:
+            kept = ("the served weights are still the previous version" if self.mode == "staged" else
+                    "the served weights are MIXED (in-place mode): not usable until a round succeeds")
+            adapter.teardown_weight_update_group()
+            self.adapter = None
+            raise TransferError(f"{self.who}: receiving version {version} failed ({exc}); {kept}; the "
+                                "transfer group is torn down and re-forms at the next init") from exc
+        t1 = time.perf_counter()
+        if self._staged:
+            self._load_staged()
+        self.version = version
+        self.last_timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
+
+    def _load_staged(self) -> None:
+        """vLLM's own loaders take the staged buffers (inside its layerwise reload when staged)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        names = self._staged
+        if self.mode == "staged":
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+        try:
+            self.model.load_weights((n, self._tensors[n]) for n in names)
+        except BaseException as exc:
+            self._abandon_reload()
+            raise RuntimeError(f"{self.who}: vLLM's load_weights failed on the received weights ({exc}); "
+                               "the served weights may be MIXED and must not be used until a round "
+                               "succeeds") from exc
+
+    def _abandon_reload(self) -> None:
+        if self._reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        """Finalize vLLM's layerwise reload (its post-processing: CPU repacking, quantization)."""
+        if not self._reloading:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        t0 = time.perf_counter()
+        self._reloading = False
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.last_timings["finalize_s"] = time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        """Leave the transfer group and drop the cached layout and buffers."""
+        if self.adapter is not None:
+            self.adapter.teardown_weight_update_group()
+        self.adapter = None
+        self._abandon_reload()
+        self._tensors, self._staged, self.layout = {}, [], None
