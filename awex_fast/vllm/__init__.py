@@ -24,6 +24,7 @@ loaders; `awex_fast.vllm.rendezvous` how the two sides meet.
 
 from __future__ import annotations
 
+from awex_fast.vllm.clients import AsyncLLMWeightSyncClient, LLMWeightSyncClient
 from awex_fast.vllm.trainer import AwexFastTrainerInitInfo, AwexFastTrainerWeightTransferEngine, SendError
 from awex_fast.vllm.worker import AwexFastUpdateInfo, AwexFastWeightTransferEngine, AwexFastWorkerInitInfo
 
@@ -31,11 +32,13 @@ BACKEND_NAME = "awex_fast"
 
 __all__ = [
     "BACKEND_NAME",
+    "AsyncLLMWeightSyncClient",
     "AwexFastTrainerInitInfo",
     "AwexFastTrainerWeightTransferEngine",
     "AwexFastUpdateInfo",
     "AwexFastWeightTransferEngine",
     "AwexFastWorkerInitInfo",
+    "LLMWeightSyncClient",
     "SendError",
     "register",
 ]
@@ -50,6 +53,7 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, AwexFastWeightTransferEngine)
     if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND_NAME, AwexFastTrainerWeightTransferEngine)
+    __import__("awex_fast.vllm.baselines", fromlist=["register"]).register()
 
 
 register()

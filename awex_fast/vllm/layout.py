@@ -280,6 +280,7 @@ def load_format_on_meta(model: torch.nn.Module) -> Iterator[None]:
             saved.append((layer, dict(layer._parameters), dict(layer._buffers),
                           set(layer._non_persistent_buffers_set)))
             restore_layer_on_meta(layer, info)
+            _unwrap_reload_loaders(layer)
         yield
     finally:
         for layer, params, buffers, non_persistent in saved:
@@ -289,6 +290,19 @@ def load_format_on_meta(model: torch.nn.Module) -> Iterator[None]:
             layer._buffers.update(buffers)
             layer._non_persistent_buffers_set.clear()
             layer._non_persistent_buffers_set.update(non_persistent)
+
+
+def _unwrap_reload_loaders(layer: torch.nn.Module) -> None:
+    """A past layerwise reload leaves its deferring wrapper on the load-format tensors it
+    registered (the objects vLLM keeps as reload metadata); a recording must run the loaders
+    themselves, so peel the wrappers off (vLLM's next reload wraps them again)."""
+    for t in [*layer._parameters.values(), *layer._buffers.values()]:
+        loader = getattr(t, "weight_loader", None)
+        if loader is None:
+            continue
+        while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
+            loader = loader.__wrapped__
+        t.weight_loader = loader
 
 
 def _load_numel(t: torch.Tensor) -> int:

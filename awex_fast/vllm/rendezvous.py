@@ -11,7 +11,11 @@ unless the user runs one), with the keys of the adapters' protocol (`awex_fast.a
    stopped it, under `worker_key`;
 4. trainer rank 0 merges the workers' pieces, engine by engine, into ``infer_params_meta``
    (`collect_inference`); a worker's error is raised here at once, naming the worker;
-5. every rank calls its adapter's ``init_weight_update_group`` with the sizes both values give.
+5. every rank calls its adapter's ``init_weight_update_group`` with the sizes both values give;
+6. each worker reports how its join, and later each round, ended under `worker_status_key`, and
+   its RPC returns normally either way: vLLM 0.32's multiprocess executor stops reading replies at
+   the first worker that raises, so the other workers' replies answer the *next* RPC, and the
+   server is wedged. Trainer rank 0 reads the outcomes (`worker_errors`) and raises.
 
 Values are the adapters' `encode_side_metas` JSON (base64 metas inside), never pickle.
 """
@@ -40,7 +44,9 @@ __all__ = [
     "publish_worker_error",
     "train_rank_key",
     "training_metas",
+    "worker_errors",
     "worker_key",
+    "worker_status_key",
 ]
 
 
@@ -139,3 +145,37 @@ def engine_sizes(kv: KVStoreClient, pair: str, timeout_s: float) -> list[int]:
     """Step 5: the engine sizes published in ``infer_params_meta`` (waits for it)."""
     value = _wait(kv, pair, INFER_META_KEY, timeout_s, "trainer rank 0 (infer_params_meta)")
     return decode_side_metas(value, "inference")[0]
+
+
+def worker_status_key(engine: int, rank: int, what: str) -> str:
+    """KV key where worker ``rank`` of engine ``engine`` reports how ``what`` ("joined",
+    "round<v>") ended."""
+    return f"vllm_engine{int(engine)}_rank{int(rank)}_{what}"
+
+
+def publish_worker_status(kv: KVStoreClient, pair: str, engine: int, rank: int, what: str,
+                          error: BaseException | str | None = None) -> None:
+    """Step 6 (a worker): ``what`` succeeded (``error`` None) or failed with ``error``."""
+    value = {"ok": True} if error is None else {"ok": False, "error": str(error)}
+    kv.put(pair, worker_status_key(engine, rank, what), value)
+
+
+def worker_errors(kv: KVStoreClient, pair: str, sizes: Sequence[int], engines: Sequence[str], what: str,
+                  timeout_s: float) -> list[str]:
+    """Step 6 (trainer rank 0): one message per worker whose ``what`` failed or that did not
+    report within ``timeout_s``, naming the engine and the worker; empty when all succeeded."""
+    deadline = time.monotonic() + timeout_s
+    errors = []
+    for e, (size, where) in enumerate(zip(sizes, engines, strict=True)):
+        for r in range(size):
+            key = worker_status_key(e, r, what)
+            try:
+                value = kv.wait(pair, key, max(0.0, deadline - time.monotonic()))
+            except KVTimeoutError:
+                errors.append(f"vLLM engine {e} ({where}) worker {r}: no report of {what} "
+                              f"within {timeout_s:.0f} s")
+                continue
+            if not (isinstance(value, dict) and value.get("ok") is True):
+                detail = value.get("error") if isinstance(value, dict) else value
+                errors.append(f"vLLM engine {e} ({where}) worker {r}: {what} failed: {detail}")
+    return errors

@@ -182,6 +182,7 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         self._generation = 0
         self._rejoin = False
         self._source_tensors: _SourceTensors | None = None
+        self.engine_sizes: list[int] = []
         self.last_round: dict[str, Any] = {}
 
     # --- init -----------------------------------------------------------------------------------
@@ -253,6 +254,9 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         # a fresh name per (re)join: keys of a failed attempt never leak into the next
         return f"{self.pair}-g{self._generation}"
 
+    def _engine_names(self) -> list[str]:
+        return [_client_name(c) for c in self.clients]
+
     def _worker_init(self, engine: int) -> dict[str, Any]:
         info = self.info
         assert info is not None
@@ -291,6 +295,9 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             adapter.batch_isend_irecv()
             for where, fut in inits:
                 _result(fut, where, "init_weight_transfer_engine", info.timeout_s)
+            if self.is_sender:
+                _raise_worker_errors(kv, pair, sizes, self._engine_names(), "joined", info.timeout_s)
+            self.engine_sizes = sizes
         except BaseException:
             adapter.teardown_weight_update_group()
             raise
@@ -362,10 +369,20 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
                     _result(fut, where, "update_weights", timeout)
                 except SendError as exc:
                     errors.append(str(exc))
+            kv = KVStoreClient(self.kv_url, self.admin_key)
+            try:
+                errors += rendezvous.worker_errors(kv, self._round_pair(), self.engine_sizes,
+                                                   self._engine_names(), f"round{version}", timeout)
+            finally:
+                kv.close()
+            t3 = time.perf_counter()
             if errors or send_error is not None:
+                # close vLLM's update session without a new version: the weights did not change
+                with contextlib.suppress(SendError):
+                    _all(pool, self.clients, "finish_weight_update", lambda c: c.finish_weight_update(),
+                         timeout)
                 why = "; ".join(errors) or f"sending failed: {send_error}"
                 raise SendError(f"round {version}: {why}", version=version) from send_error
-            t3 = time.perf_counter()
             _all(pool, self.clients, "finish_weight_update",
                  lambda c: c.finish_weight_update(weight_version=str(version)), timeout)
             t4 = time.perf_counter()
@@ -387,6 +404,13 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
+
+def _raise_worker_errors(kv: KVStoreClient, pair: str, sizes: list[int], engines: list[str], what: str,
+                         timeout: float) -> None:
+    errors = rendezvous.worker_errors(kv, pair, sizes, engines, what, timeout)
+    if errors:
+        raise rendezvous.WorkerInitError("; ".join(errors))
 
 
 def _result(fut: Future, where: str, what: str, timeout: float) -> Any:

@@ -104,6 +104,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         self.engine_rank = int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
         self.engine_size = int(pc.world_size) * int(pc.data_parallel_size)
         self.adapter: InferenceAdapter | None = None
+        self._kv: KVStoreClient | None = None
         self.info: AwexFastWorkerInitInfo | None = None
         self.layout: LoadLayout | None = None
         self.mode = "staged"
@@ -124,42 +125,52 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
     # --- init -----------------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: AwexFastWorkerInitInfo) -> None:
-        """Join (module docstring). Raises `WorkerInitError` naming this worker and the cause."""
+        """Join (module docstring). Returns normally even when joining fails: the outcome goes to
+        the KV store for trainer rank 0 (`awex_fast.vllm.rendezvous`, step 6), since a worker
+        that raises wedges vLLM's multiprocess executor."""
         self.shutdown()
         self.info = info = init_info
-        kv = KVStoreClient(info.kv_store_url, info.admin_api_key)
+        kv = self._kv = KVStoreClient(info.kv_store_url, info.admin_api_key)
         try:
-            try:
-                train = rendezvous.training_metas(kv, info.pair, info.timeout_s)
-                metas = self._prepare(train, info.load_mode)
-            except (LayoutError, MetadataError, ValueError, TimeoutError) as exc:
-                rendezvous.publish_worker_error(kv, info.pair, info.engine_index, self.engine_rank, exc)
-                raise rendezvous.WorkerInitError(f"{self.who}: {exc}") from exc
-            rendezvous.publish_worker(kv, info.pair, info.engine_index, self.engine_rank,
-                                      self.engine_size, metas)
-            sizes = rendezvous.engine_sizes(kv, info.pair, info.timeout_s)
-        finally:
-            kv.close()
-        infer_world = sum(sizes)
-        base = sum(sizes[: info.engine_index])
+            train = rendezvous.training_metas(kv, info.pair, info.timeout_s)
+            metas = self._prepare(train, info.load_mode)
+        except Exception as exc:  # reported to the trainer, never raised (module doc)
+            logger.exception("awex_fast: %s cannot join", self.who)
+            rendezvous.publish_worker_error(kv, info.pair, info.engine_index, self.engine_rank, exc)
+            return
+        rendezvous.publish_worker(kv, info.pair, info.engine_index, self.engine_rank, self.engine_size, metas)
         tp = int(self.parallel_config.tensor_parallel_size)
         adapter = InferenceAdapter(lambda: self._tensors, metas=metas, rank=self.engine_rank,
                                    engine_size=self.engine_size, tp_size=tp,
                                    admin_api_key=info.admin_api_key, backend=info.backend,
                                    timeout_s=info.timeout_s, verify=info.verify)
         try:
+            sizes = rendezvous.engine_sizes(kv, info.pair, info.timeout_s)
+            infer_world = sum(sizes)
+            base = sum(sizes[: info.engine_index])
             adapter.init_weight_update_group(
                 pair_name=info.pair, master_addr=info.master_addr, master_port=0,
                 transfer_rank=base + self.engine_rank, world_size=infer_world + info.train_world_size,
                 kv_store_url=info.kv_store_url, infer_world_size=infer_world,
                 train_world_size=info.train_world_size, num_engines=info.num_engines)
             adapter.batch_isend_irecv()
-        except BaseException as exc:
+        except Exception as exc:  # reported to the trainer, never raised
             adapter.teardown_weight_update_group()
-            raise rendezvous.WorkerInitError(f"{self.who}: joining the transfer group failed: {exc}") from exc
+            logger.exception("awex_fast: %s failed to join the transfer group", self.who)
+            self._status("joined", f"joining the transfer group failed: {exc}")
+            return
         self.adapter = adapter
+        self._status("joined")
         logger.info("awex_fast: %s joined pair %r as transfer rank %d (%s, %d names, %d staged)", self.who,
                     info.pair, base + self.engine_rank, self.mode, len(self._tensors), len(self._staged))
+
+    def _status(self, what: str, error: BaseException | str | None = None) -> None:
+        if self._kv is not None and self.info is not None:
+            try:
+                rendezvous.publish_worker_status(self._kv, self.info.pair, self.info.engine_index,
+                                                 self.engine_rank, what, error)
+            except Exception as exc:
+                logger.exception("awex_fast: %s could not report %s (%s)", self.who, what, type(exc).__name__)
 
     def _prepare(self, train: list[ParameterMeta], load_mode: str) -> list[ParameterMeta]:
         """Learn the layout for the trainer's names, choose receive targets, return this worker's
@@ -229,13 +240,25 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         self._require_adapter()
 
     def receive_weights(self, update_info: AwexFastUpdateInfo) -> None:
-        """Receive this worker's boxes of ``update_info.version`` and hand them to vLLM."""
-        adapter = self._require_adapter()
+        """Receive this worker's boxes of ``update_info.version`` and hand them to vLLM. The
+        outcome goes to the KV store (``round<v>``), and this returns normally either way
+        (see `init_transfer_engine`); after a failed transfer the served weights are still the
+        previous version (staged mode) and the group re-forms at the next init."""
         version = update_info.version
+        try:
+            self._receive(version)
+        except Exception as exc:  # reported to the trainer, never raised
+            logger.exception("awex_fast: %s: round %d failed", self.who, version)
+            self._status(f"round{version}", exc)
+            return
+        self._status(f"round{version}")
+
+    def _receive(self, version: int) -> None:
+        adapter = self._require_adapter()
         t0 = time.perf_counter()
         try:
             adapter.execute_weight_update(version)
-        except (TransferError, RuntimeError, TimeoutError, ValueError) as exc:
+        except Exception as exc:
             kept = ("the served weights are still the previous version" if self.mode == "staged" else
                     "the served weights are MIXED (in-place mode): not usable until a round succeeds")
             adapter.teardown_weight_update_group()
@@ -287,5 +310,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         if self.adapter is not None:
             self.adapter.teardown_weight_update_group()
         self.adapter = None
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
         self._abandon_reload()
         self._tensors, self._staged, self.layout = {}, [], None

