@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="awex-fast bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--engine", default="awex", choices=["awex", "vllm"],
+                   help="vllm: time routes into a real vLLM server (awex_fast.bench_vllm)")
     p.add_argument("--model", default="qwen2.5-0.5b", help="named model shape (awex_fast.models)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--train", default="fsdp=2,tp=1", help="training layout, e.g. fsdp=2,tp=2")
@@ -217,7 +219,12 @@ def plot(summary: dict, path: str) -> None:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """Entry point of `awex-fast bench`."""
+    """Entry point of `awex-fast bench` (``--engine vllm``: `awex_fast.bench_vllm`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if ("--engine" in argv and argv[argv.index("--engine") + 1 :][:1] == ["vllm"]) or "--engine=vllm" in argv:
+        from awex_fast.bench_vllm import bench_vllm_main
+
+        return bench_vllm_main(argv)
     args = build_parser().parse_args(argv)
     import torch.distributed as dist
 

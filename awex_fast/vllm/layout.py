@@ -333,12 +333,20 @@ def record_load_layout(model: torch.nn.Module, tensors: Iterable[tuple[str, Sequ
         probes = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, shape, dtype in offered]
         sources = {p.untyped_storage()._cdata: _Tracked(n, p, _identity_box(p), p.dim()) for n, p in probes}
         recorder = _Recorder(sources, targets)
+        fed: list[str] = []
+
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, probe in probes:
+                fed.append(name)
+                yield name, probe
+
         try:
             with recorder, torch.no_grad():
-                model.load_weights(iter(probes))
-        except KeyError as exc:
-            raise LayoutError(f"vLLM's model does not know checkpoint tensor {exc}; the trainer's "
-                              "names must be the Hugging Face names of this model") from None
+                model.load_weights(feed())
+        except (KeyError, ValueError, AssertionError) as exc:
+            last = fed[-1] if fed else "?"
+            raise LayoutError(f"vLLM's model rejects checkpoint tensor {last!r} (the trainer's names and "
+                              f"shapes must be this model's Hugging Face ones): {exc}") from None
     for c in recorder.copies:
         layout.copies.setdefault(c.name, []).append(c)
     layout.unused = [n for n, _, _ in offered if n not in layout.copies]
