@@ -29,7 +29,7 @@ from vllm_support import (  # noqa: E402 - after the importorskip above
     reload_from_checkpoint,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BACKEND_ARGS = ["--weight-transfer-config", json.dumps({"backend": "awex_fast"})]
 PROMPTS = [[5, 17, 42, 9], [300, 2, 77]]
@@ -233,7 +233,7 @@ def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     sums = {}
-    for per_worker in llm.llm_engine.engine_core.compute_weight_checksums():
+    for per_worker in llm.collective_rpc("compute_weight_checksums"):
         sums.update(per_worker)
     return {"version": llm.llm_engine.get_weight_version(), "checksums": sums,
             "greedy": [[list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids,

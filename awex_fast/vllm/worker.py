@@ -14,7 +14,9 @@ vLLM creates one `AwexFastWeightTransferEngine` per worker (``--weight-transfer-
   buffers first; only when every byte arrived does vLLM's layerwise reload load them, so a
   failed transfer leaves the served weights at the previous version. ``inplace`` (CUDA, no
   post-processing): straight into the live parameters, zero-copy.
-* ``finish_weight_update``: vLLM's ``finalize_layerwise_reload`` (repacking, quantization).
+* ``finish_weight_update``: nothing left: the round already ran vLLM's
+  ``finalize_layerwise_reload`` (repacking, quantization), and wrote CPU fused-MoE experts
+  itself (`awex_fast.vllm.cpu_moe`), so that any failure is reported with the round's.
 
 A failure raises naming this worker, its engine and what failed; after one, the transfer group
 is torn down and the next ``init_transfer_engine`` re-forms it.
@@ -40,6 +42,7 @@ from awex_fast.kvstore import KVStoreClient
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta
 from awex_fast.transport import TransferError
 from awex_fast.vllm import rendezvous
+from awex_fast.vllm.cpu_moe import cpu_fused_experts, write_processed_experts
 from awex_fast.vllm.layout import LayoutError, LoadLayout, record_load_layout
 
 __all__ = ["LOAD_MODES", "AwexFastUpdateInfo", "AwexFastWeightTransferEngine", "AwexFastWorkerInitInfo"]
@@ -110,6 +113,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         self.mode = "staged"
         self._tensors: dict[str, torch.Tensor] = {}  # canonical name -> receive target
         self._staged: list[str] = []  # names loaded through model.load_weights after receiving
+        self._experts: dict[str, torch.nn.Module] = {}  # CPU fused-MoE layers written by awex_fast
+        self._expert_names: set[str] = set()  # checkpoint names that land only in those layers
         self._reloading = False
         self.version: int | None = None
         self.last_timings: dict[str, float] = {}
@@ -210,6 +215,9 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                 staged.append(name)
             metas.append(ParameterMeta(name, meta.global_shape, str(dtype).removeprefix("torch."), shards))
         self.layout, self._tensors, self._staged = layout, tensors, staged
+        self._experts = cpu_fused_experts(self.model) if self.mode == "staged" else {}
+        targets = {f"{q}.{t}" for q in self._experts for t in ("w13_weight", "w2_weight")}
+        self._expert_names = {n for n, cs in layout.copies.items() if all(c.param in targets for c in cs)}
         return metas
 
     @staticmethod
@@ -265,27 +273,57 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             self.adapter = None
             raise TransferError(f"{self.who}: receiving version {version} failed ({exc}); {kept}; the "
                                 "transfer group is torn down and re-forms at the next init") from exc
-        t1 = time.perf_counter()
+        self.last_timings = {"receive_s": time.perf_counter() - t0}
         if self._staged:
             self._load_staged()
         self.version = version
-        self.last_timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
     def _load_staged(self) -> None:
-        """vLLM's own loaders take the staged buffers (inside its layerwise reload when staged)."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        """vLLM's own loaders take the staged buffers, inside its layerwise reload in staged mode
+        (load, then finalize: repacking, quantization); CPU fused-MoE experts, which that reload
+        cannot deliver (`awex_fast.vllm.cpu_moe`), are processed and written after it."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
-        names = self._staged
-        if self.mode == "staged":
-            initialize_layerwise_reload(self.model)
-            self._reloading = True
+        names = [n for n in self._staged if n not in self._expert_names]
+        t0 = time.perf_counter()
         try:
+            if self.mode == "staged":
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
             self.model.load_weights((n, self._tensors[n]) for n in names)
-        except BaseException as exc:
+            t1 = time.perf_counter()
+            if self._reloading:
+                self._reloading = False
+                finalize_layerwise_reload(self.model, self.model_config)
+            for qual, layer in self._experts.items():
+                self._write_experts(qual, layer)
+        except Exception as exc:
             self._abandon_reload()
             raise RuntimeError(f"{self.who}: vLLM's load_weights failed on the received weights ({exc}); "
                                "the served weights may be MIXED and must not be used until a round "
                                "succeeds") from exc
+        self.last_timings.update(load_s=t1 - t0, finalize_s=time.perf_counter() - t1)
+
+    def _write_experts(self, qual: str, layer: torch.nn.Module) -> None:
+        """Assemble the layer's load-format ``w13`` / ``w2`` from the staged boxes, exactly where
+        the recorded loader copies put them, and hand them to `write_processed_experts`."""
+        assert self.layout is not None
+        fresh = {}
+        for t in ("w13_weight", "w2_weight"):
+            fmt = self.layout.load_format[f"{qual}.{t}"]
+            fresh[f"{qual}.{t}"] = torch.zeros(fmt.shape, dtype=fmt.dtype, device=self.device)
+        for name in self._expert_names:
+            for c in self.layout.copies[name]:
+                dst = fresh.get(c.param)
+                if dst is None:
+                    continue
+                src = self._tensors[name][tuple(slice(o, o + n) for o, n in zip(c.src_offset, c.src_shape,
+                                                                               strict=True))]
+                dst.as_strided(c.src_shape, c.dst_strides, c.dst_offset).copy_(src)
+        write_processed_experts(layer, fresh[f"{qual}.w13_weight"], fresh[f"{qual}.w2_weight"])
 
     def _abandon_reload(self) -> None:
         if self._reloading:
@@ -295,15 +333,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             finalize_layerwise_reload(self.model, self.model_config)
 
     def finish_weight_update(self) -> None:
-        """Finalize vLLM's layerwise reload (its post-processing: CPU repacking, quantization)."""
-        if not self._reloading:
-            return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        t0 = time.perf_counter()
-        self._reloading = False
-        finalize_layerwise_reload(self.model, self.model_config)
-        self.last_timings["finalize_s"] = time.perf_counter() - t0
+        """Nothing left to do: `receive_weights` already finalized vLLM's reload, so that its
+        failures are reported like the transfer's (a worker RPC must not raise; module doc)."""
 
     def shutdown(self) -> None:
         """Leave the transfer group and drop the cached layout and buffers."""
