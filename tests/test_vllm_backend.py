@@ -130,6 +130,15 @@ def dense(tmp_path_factory):
         yield root, model, srv
 
 
+@pytest.fixture(scope="module")
+def reference(dense):
+    """A plain vLLM server (no awex_fast) that `reload_from_checkpoint` re-points at each
+    checkpoint to compare with (for this dense model its reload equals a fresh start)."""
+    root, model, _ = dense
+    with VllmServer(model, log_path=root / "reference.log") as ref:
+        yield ref
+
+
 def _compare_with_reference(ref_url: str, record: dict, what: str) -> None:
     want = checksums(ref_url)
     got = record["checksums"]
@@ -143,7 +152,9 @@ def _compare_with_reference(ref_url: str, record: dict, what: str) -> None:
 # --- tests ----------------------------------------------------------------------------------------
 
 
-def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_the_old_version(dense):
+def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_the_old_version(
+    dense, reference
+):
     """Round 1 and 3 land exactly (checksums, greedy tokens and logprobs equal a vLLM that
     loaded the checkpoint); round 2, where trainer rank 1 is later than the workers' timeout,
     fails on both ranks naming the worker, and leaves the served weights and version at round 1;
@@ -162,10 +173,63 @@ def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_th
     assert r0[2]["checksums"] == r0[1]["checksums"]
     assert r0[2]["greedy"] == r0[1]["greedy"]
     assert [r["weight_version"] for r in r0[1:]] == ["1", "1", "2"]
-    with VllmServer(out / "w1", log_path=root / "ref.log") as ref:
-        _compare_with_reference(ref.url, r0[1], "round 1")
-        reload_from_checkpoint(ref.url, out / "w3")
-        _compare_with_reference(ref.url, r0[3], "round 3 (after the failed round)")
+    reload_from_checkpoint(reference.url, out / "w1")
+    _compare_with_reference(reference.url, r0[1], "round 1")
+    reload_from_checkpoint(reference.url, out / "w3")
+    _compare_with_reference(reference.url, r0[3], "round 3 (after the failed round)")
+
+
+def _split_source(rank: int, world_size: int, url: str, model_dir: str, out: str) -> dict:
+    """A non-module `WeightSource` split like pipeline stages: rank 0 holds the embedding and
+    layer 0, rank 1 layer 1, the norm and the LM head, each whole (plain tensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    from awex_fast.vllm import AwexFastTrainerInitInfo
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    stage0 = ("model.embed_tokens.", "model.layers.0.")
+
+    class StageSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+
+        def held_names(self):
+            return {n for n, _ in model.named_parameters() if n.startswith(stage0) == (rank == 0)}
+
+        def __iter__(self):
+            held = self.held_names()
+            for n, p in model.named_parameters():
+                yield n, (p.detach() if n in held else None)
+
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(out, exist_ok=True)
+        shutil.copy(os.path.join(model_dir, "config.json"), out)
+        save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()},
+                  os.path.join(out, "model.safetensors"))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=60),
+        client=HTTPVLLMWeightSyncClient(url), source=StageSource())
+    engine.send_weights()
+    engine.shutdown()
+    return {"checksums": checksums(url), "greedy": greedy(url, PROMPTS, MAX_TOKENS)} if rank == 0 else {}
+
+
+def test_a_stage_split_weight_source_lands_exactly(dense, reference, tmp_path):
+    """Any vLLM `WeightSource` with `held_names` (here: two pipeline-like stages of plain
+    tensors) syncs too, each rank sending the names it holds."""
+    _, model, srv = dense
+    got = run_world(_split_source, 2, srv.url, str(model), str(tmp_path / "split"), timeout=300)[0]
+    reload_from_checkpoint(reference.url, tmp_path / "split")
+    _compare_with_reference(reference.url, got, "stage-split source")
 
 
 def test_unknown_names_are_refused_before_any_byte_moves(dense, tmp_path):
@@ -242,8 +306,9 @@ def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
 
 
 def test_offline_llm_receives_the_same_weights(tmp_path):
-    """The offline ``LLM`` driven through the same four calls (``LLMWeightSyncClient``)."""
-    model = make_qwen2_checkpoint(tmp_path / "w0", seed=4, kv_heads=2)
+    """The offline ``LLM`` driven through the same four calls (``LLMWeightSyncClient``), on a model
+    with tied embeddings (vLLM fills the shared tensor through one name only)."""
+    model = make_qwen2_checkpoint(tmp_path / "w0", seed=4, kv_heads=2, tie=True)
     out = tmp_path / "trainer"
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     got = run_world(_offline, 2, model, str(out), timeout=600, env=env)[0]

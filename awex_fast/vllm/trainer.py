@@ -195,6 +195,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             raise ValueError("awex_fast needs a WeightSource (ModuleSource(model) for an nn.Module)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         engine._make_adapter()
+        if engine._source_tensors is not None:
+            engine._source_tensors.refresh()  # the group's executor binds the held tensors at join
         engine._rendezvous()
         engine._join()
         return engine
