@@ -205,6 +205,14 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
                 ratios[f"transfer_vs_{other}"] = routes[other]["transfer_s"] / ours["transfer_s"]
                 if other != "raw":
                     ratios[f"total_vs_{other}"] = routes[other]["total_s"] / ours["total_s"]
+    if ours:
+        # awex_fast's own split, from its workers: bytes moving vs vLLM applying them
+        for phase in ("receive_s", "load_s", "finalize_s"):
+            per = [max(v for k, v in it.items() if k.startswith("worker") and k.endswith(phase))
+                   for it in ours["iters"] if any(k.endswith(phase) for k in it)]
+            ours[f"workers_{phase}"] = statistics.median(per) if per else None
+        if "raw" in routes and ours.get("workers_receive_s"):
+            ratios["receive_vs_raw"] = routes["raw"]["transfer_s"] / ours["workers_receive_s"]
     keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb")
     return {"layout": {k: spec[k] for k in keys},
             "model_bytes": nbytes, "raw_bytes": raw["bytes"] if raw else None, "routes": routes,
@@ -235,6 +243,13 @@ def print_table(summary: dict) -> None:
             if name != "raw":
                 ratio += f", {r['total_s'] / ours['total_s']:.2f}x"
         print(f"{name:10} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f}  {ratio}")
+    if ours and ours.get("workers_receive_s") is not None:
+        split = ", ".join(f"{k.removeprefix('workers_').removesuffix('_s')} {ours[k]:.3f} s"
+                          for k in ("workers_receive_s", "workers_load_s", "workers_finalize_s")
+                          if ours.get(k) is not None)
+        raw_ratio = summary["ratios"].get("receive_vs_raw")
+        print(f"awex_fast on its slowest worker: {split} (load: vLLM's load_weights and layer processing)"
+              + (f"; receive vs raw: {raw_ratio:.2f}x" if raw_ratio else ""))
     if summary["raw_bytes"]:
         print(f"raw moves {summary['raw_bytes']:,} bytes (awex_fast's plan, per pair)")
     print(f"checksums equal to awex_fast's after every route: {summary['checksums_equal']}"

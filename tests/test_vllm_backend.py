@@ -318,3 +318,78 @@ def test_offline_llm_receives_the_same_weights(tmp_path):
         bad = sorted(k for k in want if want[k] != got["checksums"].get(k))
         assert not bad, bad[:5]
         assert [list(map(list, x)) for x in greedy(ref.url, PROMPTS, MAX_TOKENS)] == got["greedy"]
+
+
+def _async_llm(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
+    """Rank 0 runs an ``AsyncLLM`` (TP2) on an event loop of its own thread; both ranks sync
+    into it through `AsyncLLMWeightSyncClient`, then rank 0 generates on the loop."""
+    import asyncio
+    import threading
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from awex_fast.vllm import AsyncLLMWeightSyncClient, AwexFastTrainerInitInfo
+
+    client = engine_llm = loop = None
+    if rank == 0:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        args = AsyncEngineArgs(model=model_dir, tensor_parallel_size=2, enforce_eager=True, max_model_len=128,
+                               dtype="bfloat16", skip_tokenizer_init=True,
+                               weight_transfer_config={"backend": "awex_fast"})
+
+        async def make() -> AsyncLLM:
+            return AsyncLLM.from_engine_args(args)
+
+        engine_llm = asyncio.run_coroutine_threadsafe(make(), loop).result(300)
+        client = AsyncLLMWeightSyncClient(engine_llm, loop, timeout_s=300)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 1)
+    _save_full(model, model_dir, os.path.join(out_dir, "w1"), rank)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=120),
+        client=client, source=ModuleSource(model))
+    engine.send_weights()
+    engine.shutdown()
+    if rank != 0:
+        return {}
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+
+    async def generate(i: int, prompt: list[int]) -> list:
+        final = None
+        async for out in engine_llm.generate({"prompt_token_ids": prompt}, params, request_id=f"r{i}"):
+            final = out
+        c = final.outputs[0]
+        return [list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]]
+
+    async def all_outputs() -> dict:
+        return {"version": await engine_llm.get_weight_version(),
+                "greedy": [await generate(i, p) for i, p in enumerate(PROMPTS)]}
+
+    got = asyncio.run_coroutine_threadsafe(all_outputs(), loop).result(300)
+    engine_llm.shutdown()
+    return got
+
+
+def test_async_llm_receives_the_same_weights(tmp_path):
+    """An in-process ``AsyncLLM`` driven through `AsyncLLMWeightSyncClient`: after one round it
+    reports version 1 and generates exactly what a vLLM loading the checkpoint generates."""
+    model = make_qwen2_checkpoint(tmp_path / "w0", seed=5, kv_heads=2)
+    out = tmp_path / "trainer"
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    got = run_world(_async_llm, 2, model, str(out), timeout=600, env=env)[0]
+    assert got["version"] == "1"
+    with VllmServer(Path(out) / "w1", log_path=tmp_path / "ref.log") as ref:
+        assert [list(map(list, x)) for x in greedy(ref.url, PROMPTS, MAX_TOKENS)] == got["greedy"]

@@ -175,6 +175,7 @@ class LoadLayout:
     copies: dict[str, list[LoadCopy]] = field(default_factory=dict)
     load_format: dict[str, torch.Tensor] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)  # parameter -> the one it shares storage with
 
     def pieces(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """The distinct checkpoint boxes of ``name`` this worker keeps, (offset, shape)."""
@@ -325,11 +326,10 @@ def record_load_layout(model: torch.nn.Module, tensors: Iterable[tuple[str, Sequ
     # tied parameters (a shared embedding / LM head) are one storage: loaders fill it through
     # one name and skip the other, which must not count as uncovered
     first_by_storage: dict[int, str] = {}
-    tied: set[str] = set()
     for qual, t in model.named_parameters(remove_duplicate=False):
-        sid = t.untyped_storage()._cdata
-        if first_by_storage.setdefault(sid, qual) != qual:
-            tied.add(qual)
+        first = first_by_storage.setdefault(t.untyped_storage()._cdata, qual)
+        if first != qual:
+            layout.tied[qual] = first
     with load_format_on_meta(model):
         targets: dict[int, _Tracked] = {}
         params = {q for q, _ in model.named_parameters()}
@@ -363,7 +363,7 @@ def record_load_layout(model: torch.nn.Module, tensors: Iterable[tuple[str, Sequ
         for c in recorder.copies:
             written[c.param] = written.get(c.param, 0) + c.numel
         for qual, meta in layout.load_format.items():
-            if qual not in params or qual in tied or qual.rsplit(".", 1)[-1] in SKIP_LOAD_TENSORS:
+            if qual not in params or qual in layout.tied or qual.rsplit(".", 1)[-1] in SKIP_LOAD_TENSORS:
                 continue
             need = _load_numel(meta)
             if written.get(qual, 0) < need:

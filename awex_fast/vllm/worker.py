@@ -300,12 +300,26 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                 finalize_layerwise_reload(self.model, self.model_config)
             for qual, layer in self._experts.items():
                 self._write_experts(qual, layer)
+            self._reprocess_tied()
         except Exception as exc:
             self._abandon_reload()
             raise RuntimeError(f"{self.who}: vLLM's load_weights failed on the received weights ({exc}); "
                                "the served weights may be MIXED and must not be used until a round "
                                "succeeds") from exc
         self.last_timings.update(load_s=t1 - t0, finalize_s=time.perf_counter() - t1)
+
+    def _reprocess_tied(self) -> None:
+        """A layer that shares its weight with another (a tied LM head) loads nothing in vLLM's
+        reload, so the CPU GEMM copy it packed at startup would keep serving the old weights;
+        vLLM's reload documents this ("tied parameters only reflect processing from one of the
+        parent layers"). Run its own processing again on the shared, now new, weight."""
+        if self.mode != "staged" or self.device.type != "cpu" or self.layout is None:
+            return
+        for alias in self.layout.tied:
+            layer = self.model.get_submodule(alias.rpartition(".")[0])
+            method = getattr(layer, "quant_method", None)
+            if method is not None and callable(getattr(method, "process_weights_after_loading", None)):
+                method.process_weights_after_loading(layer)
 
     def _write_experts(self, qual: str, layer: torch.nn.Module) -> None:
         """Assemble the layer's load-format ``w13`` / ``w2`` from the staged boxes, exactly where
