@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="vLLM dtype")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--methods", default=",".join(ROUTES), help="comma list of " + ", ".join(ROUTES))
+    p.add_argument("--transport", default="gloo", choices=["gloo", "ipc"],
+                   help="awex_fast's and raw's transport (broadcast is vLLM's algorithm on gloo)")
     p.add_argument("--buffer-mb", type=int, default=1024, help="broadcast bucket (vLLM's default 1 GiB)")
     p.add_argument("--workdir", default=None, help="checkpoint and logs here (default: a temp dir)")
     p.add_argument("--json", default=None, help="write results as JSON here")
@@ -213,7 +215,7 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
             ours[f"workers_{phase}"] = statistics.median(per) if per else None
         if "raw" in routes and ours.get("workers_receive_s"):
             ratios["receive_vs_raw"] = routes["raw"]["transfer_s"] / ours["workers_receive_s"]
-    keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb")
+    keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb", "transport")
     return {"layout": {k: spec[k] for k in keys},
             "model_bytes": nbytes, "raw_bytes": raw["bytes"] if raw else None, "routes": routes,
             "ratios": ratios, "checksums_equal": result.get("checksums_equal"),
@@ -230,7 +232,7 @@ def print_table(summary: dict) -> None:
         lay = {**lay, "layers": model_spec(lay["model"]).num_layers}
     print(f"model={lay['model']}{tie} layers={lay['layers']} trainer=fsdp{lay['trainers']} (float32) -> vLLM "
           f"TP{lay['tp']} ({lay['dtype']}), {summary['model_bytes'] / 1e9:.3f} GB in {lay['dtype']}, "
-          f"iters={lay['iters']}, median seconds")
+          f"iters={lay['iters']}, awex_fast and raw over {lay.get('transport', 'gloo')}, median seconds")
     print(f"{'route':10} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6}  route / awex_fast "
           "(transfer, total)")
     ours = summary["routes"].get("awex_fast")
@@ -280,7 +282,7 @@ def bench_vllm_main(argv: list[str] | None = None) -> int:
                               timeout=datetime.timedelta(seconds=args.timeout))
         spec = {"model": args.model, "layers": args.layers, "tp": args.tp, "trainers": args.trainers,
                 "dtype": args.dtype, "untied": args.untied, "iters": args.iters, "methods": methods,
-                "buffer_mb": args.buffer_mb,
+                "buffer_mb": args.buffer_mb, "transport": args.transport,
                 "url": url, "ckpt": str(work / "ckpt"), "disk_dir": str(work / "disk"),
                 "store_port": store.port, "dist_port": _free_port(), "timeout": args.timeout}
         roles = [("trainer", r) for r in range(args.trainers)]
@@ -373,8 +375,8 @@ def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dic
     else:
         parent.store.wait(["raw/port"])
         port = int(parent.store.get("raw/port"))
-    group = init_transfer_group("gloo", transfer_rank, world, "127.0.0.1", port, spec["timeout"],
-                                group_name="awex_fast_raw")
+    group = init_transfer_group(spec.get("transport", "gloo"), transfer_rank, world, "127.0.0.1", port,
+                                spec["timeout"], group_name="awex_fast_raw")
     run, nbytes, refresh = _raw(group, rp, torch.device("cpu"))
     return run, refresh, nbytes
 
@@ -438,8 +440,9 @@ def trainer_main(spec: dict) -> None:
             for t in locals_:
                 t.neg_()
 
-    awex = WeightTransferTrainerFactory.trainer_init(AwexFastTrainerInitInfo(rank=rank, world_size=world),
-                                                     client=client, source=source)
+    awex = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world, transport=spec.get("transport", "gloo")),
+        client=client, source=source)
     bcast = None
     if "broadcast" in methods:
         if rank == 0:
