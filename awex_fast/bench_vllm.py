@@ -136,7 +136,8 @@ def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
            "--dtype", dtype, "--skip-tokenizer-init",
            "--weight-transfer-config", json.dumps({"backend": "awex_fast"}),
            "--worker-extension-cls", "awex_fast.vllm.baselines.BenchWorkerExtension"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    # cwd away from any checkout: `python -m` puts the cwd first on sys.path
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=log.parent,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -159,7 +160,8 @@ def _spawn(role: str, spec: dict, tmp: Path, name: str) -> subprocess.Popen:
     path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.Popen([sys.executable, "-m", "awex_fast.bench_vllm", role, str(path)],
-                            stdout=(tmp / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, env=env)
+                            stdout=(tmp / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, env=env,
+                            cwd=tmp)
 
 
 def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> None:

@@ -162,7 +162,7 @@ def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_th
     root, model, srv = dense
     out = root / "trainer"
     before = checksums(srv.url)
-    results = run_world(_trainer, 2, srv.url, str(model), str(out), ["ok", "late", "ok"], 10.0, timeout=600)
+    results = run_world(_trainer, 2, srv.url, str(model), str(out), ["ok", "late", "ok"], 15.0, timeout=600)
     r0 = results[0]["rounds"]
     r1 = results[1]["rounds"]
     assert [r["ok"] for r in r0[1:]] == [True, False, True]

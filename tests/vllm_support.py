@@ -262,6 +262,9 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
+                # not the checkout: `python -m` puts the cwd first on sys.path, and a source tree
+                # (no compiled extension) would shadow the installed awex_fast in vLLM's processes
+                cwd=self.log_path.parent,
             )
         deadline = t0 + self.startup_timeout
         while True:

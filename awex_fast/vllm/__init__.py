@@ -25,7 +25,12 @@ loaders; `awex_fast.vllm.rendezvous` how the two sides meet.
 from __future__ import annotations
 
 from awex_fast.vllm.clients import AsyncLLMWeightSyncClient, LLMWeightSyncClient
-from awex_fast.vllm.trainer import AwexFastTrainerInitInfo, AwexFastTrainerWeightTransferEngine, SendError
+from awex_fast.vllm.trainer import (
+    AwexFastTrainerInitInfo,
+    AwexFastTrainerWeightTransferEngine,
+    SendError,
+    ShardedSource,
+)
 from awex_fast.vllm.worker import AwexFastUpdateInfo, AwexFastWeightTransferEngine, AwexFastWorkerInitInfo
 
 BACKEND_NAME = "awex_fast"
@@ -40,6 +45,7 @@ __all__ = [
     "AwexFastWorkerInitInfo",
     "LLMWeightSyncClient",
     "SendError",
+    "ShardedSource",
     "register",
 ]
 

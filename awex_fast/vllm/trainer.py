@@ -29,7 +29,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from vllm.distributed.weight_transfer.base import (
     ModuleSource,
+    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -52,7 +53,7 @@ from awex_fast.transport import BACKENDS, TransferError
 from awex_fast.vllm import rendezvous
 from awex_fast.vllm.worker import LOAD_MODES, AwexFastWorkerInitInfo
 
-__all__ = ["AwexFastTrainerInitInfo", "AwexFastTrainerWeightTransferEngine", "SendError"]
+__all__ = ["AwexFastTrainerInitInfo", "AwexFastTrainerWeightTransferEngine", "SendError", "ShardedSource"]
 
 
 class SendError(TransferError):
@@ -147,6 +148,25 @@ class _SourceTensors:
         self.current = got
 
 
+class ShardedSource(WeightSource):
+    """A `WeightSource` over named DTensors (FSDP2 / TP / 2-D) or plain tensors under their
+    canonical (Hugging Face) names, for trainers whose parameters are not one module's
+    ``named_parameters()`` (renamed, or with tied aliases dropped). awex_fast sends each rank's
+    local shards; iterating it (for other backends) gathers full tensors, a collective."""
+
+    def __init__(self, named: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self.named = named
+
+    def metadata(self) -> list[ParamMeta]:
+        """(name, dtype, global shape) of every tensor, without gathering."""
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named().items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.named().items():
+            full = getattr(t, "full_tensor", None)
+            yield name, full() if callable(full) else t
+
+
 def _check_module_shapes(module: nn.Module, metas: Sequence[ParameterMeta]) -> None:
     """Local shards must be the size their metadata says (a stale ``.data`` rebinding would
     otherwise send or receive the wrong bytes)."""
@@ -216,9 +236,12 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         assert info is not None and self.source is not None
         module = self._module()
         if module is not None:
-            source: nn.Module | Callable[[], dict[str, torch.Tensor]] = module
+            source: nn.Module | Callable[[], Mapping[str, torch.Tensor]] = module
             metas = None
             first = next(iter(module.parameters()), None)
+        elif isinstance(self.source, ShardedSource):
+            source, metas = self.source.named, None
+            first = next(iter(self.source.named().values()), None)
         else:
             self._source_tensors = st = _SourceTensors(self.source, self.rank)
             source, metas = (lambda: st.current), st.metas
@@ -277,7 +300,7 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients))) if self.is_sender else None
         inits: list[tuple[str, Future]] = []
         try:
-            if self._source_tensors is None:
+            if self._module() is not None:
                 _check_module_shapes(self._module(), adapter.get_weight_metadata())  # type: ignore[arg-type]
             rendezvous.publish_training_rank(kv, pair, self.rank, world, adapter.get_weight_metadata())
             if self.is_sender:

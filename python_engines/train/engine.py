@@ -165,6 +165,8 @@ class FSDPTrainEngine(TrainEngine):
         self._rejoin = False  # the last update over a group joined here failed
         #: The adapter's stats of the last successful awex upload on this rank (bytes, seconds).
         self.last_weight_update: dict[str, Any] | None = None
+        self._vllm_urls: list[str] = []  # vLLM servers awex uploads go to (connect_engine)
+        self._vllm: Any = None  # awex_fast.vllm's trainer engine, built at the first upload
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -274,6 +276,9 @@ class FSDPTrainEngine(TrainEngine):
         if self._weight_sync is not None:
             self._weight_sync.teardown_weight_update_group()
             self._weight_sync, self._joined = None, None
+        if self._vllm is not None:
+            self._vllm.shutdown()
+            self._vllm = None
         self._model = None
         self.optimizer = None
         self.lr_scheduler = None
@@ -705,6 +710,42 @@ class FSDPTrainEngine(TrainEngine):
             )
         self.last_weight_update = stats
 
+    def connect_engine(self, engine: Any) -> None:
+        """Send awex uploads to vLLM servers through awex_fast's vLLM backend: ``engine`` is an
+        inference engine with ``addresses`` (`python_engines.inference.RemotevLLMEngine`), one
+        server URL or a list of them. Call on every rank; the first awex upload joins (every
+        rank sends its own shards; rank 0 drives vLLM's weight-sync routes)."""
+        urls = [engine] if isinstance(engine, str) else getattr(engine, "addresses", engine)
+        urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
+        if not urls:
+            raise ValueError("connect_engine: no vLLM server addresses")
+        if self._vllm is not None and urls != self._vllm_urls:
+            self._vllm.shutdown()
+            self._vllm = None
+        self._vllm_urls = urls
+
+    def _upload_vllm(self, meta: WeightUpdateMeta) -> None:
+        """The awex upload into the connected vLLM servers (`connect_engine`): one round of
+        ``awex_fast.vllm`` to ``meta.version`` (default `get_version`); every server reports that
+        version once it landed. Raises ``awex_fast.vllm.SendError`` on every rank if it failed."""
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+        from awex_fast.vllm import AwexFastTrainerInitInfo, ShardedSource
+
+        if self._vllm is None:
+            info = AwexFastTrainerInitInfo(
+                rank=dist.get_rank(), world_size=dist.get_world_size(),
+                transport="nccl" if self._pick_device().type == "cuda" else "gloo",
+                kv_store_url=meta.kv_store_url, admin_api_key=meta.admin_api_key,
+                pair=meta.pair_name if meta.kv_store_url else None)
+            # only rank 0 talks to vLLM; the others hold no client
+            clients = [HTTPVLLMWeightSyncClient(u) for u in self._vllm_urls] if dist.get_rank() == 0 else None
+            self._vllm = WeightTransferTrainerFactory.trainer_init(
+                info, client=clients, source=ShardedSource(self.named_local_parameters))
+        version = meta.version if meta.version is not None else self._version
+        self._vllm.send_weights(version=version)
+        self.last_weight_update = dict(self._vllm.last_round)
+
     def upload_weights(self, meta: WeightUpdateMeta) -> None:
         """Send the current weights to inference; collective.
 
@@ -731,6 +772,10 @@ class FSDPTrainEngine(TrainEngine):
             dist.barrier()
             return
         if meta.type in ("awex", "nccl"):
-            self._upload_awex(meta)
+            if self._vllm_urls:
+                self._upload_vllm(meta)
+            else:
+                self._upload_awex(meta)
             return
         raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'awex' or 'nccl', got {meta.type!r}")
+
