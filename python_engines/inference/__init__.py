@@ -7,3 +7,5 @@
 Submodules are imported explicitly (``from python_engines.inference.server import
 launch_server``), so importing the package stays cheap.
 """
+
+from python_engines.inference.vllm_engine import RemotevLLMEngine as RemotevLLMEngine
