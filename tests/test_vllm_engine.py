@@ -44,7 +44,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 PROMPTS = [[5, 17, 42, 9], [300, 2, 77], [100, 200, 3, 4, 5]]
 MAX_LEN = 1024
 Greedy = tuple[list[int], list[float]]  # (tokens, logprobs) as vllm_support.greedy returns them
-LONG = 900  # tokens of a request that is surely still running a moment after it started
 
 
 class Cluster:
