@@ -56,6 +56,20 @@ def _save_full(model, config_dir: str, out: str, rank: int) -> None:
         save_file(full, os.path.join(out, "model.safetensors"))
 
 
+def _fsdp_model(model_dir: str):
+    """The checkpoint as a float32 transformers model under FSDP2 (each layer, then the root),
+    with an AdamW optimizer."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def _train_step(model, opt, step: int) -> None:
     import torch
 
@@ -73,8 +87,6 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
     rank 1 starts sending after the workers' timeout) train one step, save the oracle
     checkpoint ``w{k}``, send, and (rank 0) record the server's checksums and greedy outputs."""
     import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         ModuleSource,
@@ -84,11 +96,7 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
     from awex_fast.vllm import AwexFastTrainerInitInfo, SendError
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _fsdp_model(model_dir)
     t0 = time.perf_counter()
     engine = WeightTransferTrainerFactory.trainer_init(
         AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=timeout_s),
@@ -263,9 +271,6 @@ def test_moe_rounds_equal_vllm_loading_the_checkpoint(tmp_path):
 
 def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
     """Rank 0 holds an offline ``LLM`` (TP2) in its own process; both ranks sync into it."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from awex_fast.vllm import AwexFastTrainerInitInfo, LLMWeightSyncClient
@@ -277,11 +282,7 @@ def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
         llm = LLM(model=model_dir, tensor_parallel_size=2, enforce_eager=True, max_model_len=128,
                   dtype="bfloat16", skip_tokenizer_init=True,
                   weight_transfer_config={"backend": "awex_fast"})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _fsdp_model(model_dir)
     _train_step(model, opt, 1)
     _save_full(model, model_dir, os.path.join(out_dir, "w1"), rank)
     client = LLMWeightSyncClient(llm) if llm is not None else None
@@ -326,9 +327,6 @@ def _async_llm(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict
     import asyncio
     import threading
 
-    import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from awex_fast.vllm import AsyncLLMWeightSyncClient, AwexFastTrainerInitInfo
@@ -349,11 +347,7 @@ def _async_llm(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict
 
         engine_llm = asyncio.run_coroutine_threadsafe(make(), loop).result(300)
         client = AsyncLLMWeightSyncClient(engine_llm, loop, timeout_s=300)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = _fsdp_model(model_dir)
     _train_step(model, opt, 1)
     _save_full(model, model_dir, os.path.join(out_dir, "w1"), rank)
     engine = WeightTransferTrainerFactory.trainer_init(

@@ -183,13 +183,13 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         offered = [(m.name, m.global_shape, _torch_dtype(m.dtype)) for m in train]
         layout = record_load_layout(self.model, offered)
         live = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        unchanged = all(self._unprocessed(layout, c.param, live) for cs in layout.copies.values() for c in cs)
-        if load_mode == "inplace" and not unchanged:
-            bad = sorted({c.param for cs in layout.copies.values() for c in cs
-                          if not self._unprocessed(layout, c.param, live)})
-            raise LayoutError(f"load_mode 'inplace': vLLM post-processes {bad[:5]} (their live tensors "
+        processed = sorted({c.param for cs in layout.copies.values() for c in cs
+                            if not self._unprocessed(layout, c.param, live)})
+        if load_mode == "inplace" and processed:
+            raise LayoutError(f"load_mode 'inplace': vLLM post-processes {processed[:5]} (their live tensors "
                               "are not in the loaders' format); use 'staged' or 'auto'")
-        inplace = load_mode == "inplace" or (load_mode == "auto" and unchanged and self.device.type == "cuda")
+        cuda_unprocessed = not processed and self.device.type == "cuda"
+        inplace = load_mode == "inplace" or (load_mode == "auto" and cuda_unprocessed)
         self.mode = "inplace" if inplace else "staged"
         by_name = {m.name: m for m in train}
         tensors: dict[str, torch.Tensor] = {}
@@ -207,7 +207,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                 shards = [ShardMeta(self.engine_rank, c.src_offset, c.src_shape)]
                 dtype = param.dtype
             else:
-                dtype = self._staging_dtype(layout, copies, live)
+                dtype = self._staging_dtype(layout, copies)
                 # full checkpoint shape, of which only this worker's boxes are ever written (on the
                 # CPU untouched pages are never committed); vLLM's loaders narrow to the same boxes
                 tensors[name] = torch.empty(meta.global_shape, dtype=dtype, device=self.device)
@@ -226,7 +226,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         return (fmt is not None and now is not None and tuple(fmt.shape) == tuple(now.shape)
                 and fmt.stride() == now.stride() and fmt.dtype == now.dtype)
 
-    def _staging_dtype(self, layout: LoadLayout, copies: list, live: dict[str, torch.Tensor]) -> torch.dtype:
+    def _staging_dtype(self, layout: LoadLayout, copies: list) -> torch.dtype:
         """The dtype the loaders receive: that of the destination in load format. A tensor vLLM
         never puts back into load format (a bias, created after the weights) may have been cast
         by processing; it loads in the model's dtype."""
