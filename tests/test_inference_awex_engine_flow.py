@@ -22,6 +22,7 @@ import torch
 from _dist import run_world
 from _inference_helpers import VOCAB, compare_greedy, http, load_hf, make_checkpoint
 from _jobs import job_world, parent_store
+from _losses import loss_tokens, next_token_loss
 
 from awex_fast.kvstore import KVStoreServer
 from python_engines.api import WeightUpdateMeta
@@ -33,18 +34,6 @@ PAIR = "awex-engine-flow"
 PROMPT = [9, 18, 27, 36, 45]
 VERSIONS = (1, 2)
 TRAIN = 2
-
-
-def _loss(logits, mb):
-    ids, mask = mb["input_ids"], mb["attention_mask"]
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-    ce = torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none")
-    m = mask[:, 1:].reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
-
-
-def _weight(mb):
-    return float(mb["attention_mask"][:, 1:].sum())
 
 
 def _meta(kv_url: str, version: int) -> WeightUpdateMeta:
@@ -71,7 +60,7 @@ def _trainer(rank: int, world_size: int, port: int, ckpt: str, kv_url: str, work
                 g = torch.Generator().manual_seed(200 + rank)
                 ids = torch.randint(0, VOCAB, (2, 16), generator=g)
                 batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[2])
-                steps.append(engine.train_batch(batch, _loss, _weight)["update_successful"])
+                steps.append(engine.train_batch(batch, next_token_loss, loss_tokens)["update_successful"])
             engine.save(SaveLoadMeta(path=f"{work}/v{v}"))  # the reference for this version
             go = Path(f"{work}/go{v}")
             deadline = time.monotonic() + 90

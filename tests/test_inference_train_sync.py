@@ -21,6 +21,7 @@ import pytest
 import torch
 from _dist import run_world
 from _inference_helpers import VOCAB, compare_greedy, http, load_hf, make_checkpoint
+from _losses import loss_tokens, next_token_loss
 
 from awex_fast.kvstore import KVStoreServer
 from awex_fast.pair import WeightSyncPair
@@ -30,18 +31,6 @@ from python_engines.inference.server import launch_server
 
 KEY = "train-sync-test-key"
 PROMPT = [11, 22, 33, 44]
-
-
-def _loss(logits, mb):
-    ids, mask = mb["input_ids"], mb["attention_mask"]
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-    ce = torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none")
-    m = mask[:, 1:].reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
-
-
-def _weight(mb):
-    return float(mb["attention_mask"][:, 1:].sum())
 
 
 def _trainer(rank: int, world_size: int, ckpt: str, work: str) -> dict:
@@ -63,9 +52,9 @@ def _trainer(rank: int, world_size: int, ckpt: str, work: str) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(0, VOCAB, (2, 16), generator=g)
     batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[2])
-    losses = [engine.train_batch(batch, _loss, _weight)]
+    losses = [engine.train_batch(batch, next_token_loss, loss_tokens)]
     engine.upload_weights(WeightUpdateMeta.from_disk(f"{work}/disk", version=1))
-    losses.append(engine.train_batch(batch, _loss, _weight))
+    losses.append(engine.train_batch(batch, next_token_loss, loss_tokens))
     engine.save(SaveLoadMeta(path=f"{work}/step2"))
     adapter = TrainingAdapter(engine.named_local_parameters, timeout_s=60.0)
     server = BackgroundServer(lambda: worker_app(adapter), "127.0.0.1", 0).start()

@@ -26,6 +26,7 @@ import pytest
 import torch
 from _dist import run_world
 from _jobs import job_world, parent_store
+from _losses import loss_tokens, next_token_loss
 from safetensors.torch import load_file, save_file
 
 from awex_fast.kvstore import KVStoreServer
@@ -53,19 +54,6 @@ VERSIONS = (1, 2)
 
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _loss(logits, mb):
-    ids, mask = mb["input_ids"], mb["attention_mask"]
-    ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    )
-    m = mask[:, 1:].reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
-
-
-def _weight(mb):
-    return float(mb["attention_mask"][:, 1:].sum())
 
 
 def _trainer(rank: int, kv_url: str, work: str) -> dict:
@@ -99,7 +87,7 @@ def _trainer(rank: int, kv_url: str, work: str) -> dict:
             g = torch.Generator().manual_seed(100 + rank)
             ids = torch.randint(0, CONFIG["vocab_size"], (2, 12), generator=g)
             batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[2])
-            res["step"] = engine.train_batch(batch, _loss, _weight)["update_successful"]
+            res["step"] = engine.train_batch(batch, next_token_loss, loss_tokens)["update_successful"]
         t0 = time.perf_counter()
         # "nccl" is AReaL's name for the in-memory path; master_port 0: inference rank 0 binds one.
         engine.upload_weights(WeightUpdateMeta(type="nccl", pair_name=PAIR, kv_store_url=kv_url,

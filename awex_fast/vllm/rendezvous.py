@@ -38,6 +38,7 @@ __all__ = [
     "WorkerInitError",
     "collect_inference",
     "collect_training",
+    "engine_errors",
     "engine_sizes",
     "publish_training_rank",
     "publish_worker",
@@ -160,13 +161,15 @@ def publish_worker_status(kv: KVStoreClient, pair: str, engine: int, rank: int, 
     kv.put(pair, worker_status_key(engine, rank, what), value)
 
 
-def worker_errors(kv: KVStoreClient, pair: str, sizes: Sequence[int], engines: Sequence[str], what: str,
-                  timeout_s: float) -> list[str]:
-    """Step 6 (trainer rank 0): one message per worker whose ``what`` failed or that did not
-    report within ``timeout_s``, naming the engine and the worker; empty when all succeeded."""
+def engine_errors(kv: KVStoreClient, pair: str, sizes: Sequence[int], engines: Sequence[str], what: str,
+                  timeout_s: float) -> list[list[str]]:
+    """Step 6 (trainer rank 0): per engine, one message per worker whose ``what`` failed or
+    that did not report within ``timeout_s``, naming the engine and the worker (an empty list
+    for an engine whose workers all succeeded)."""
     deadline = time.monotonic() + timeout_s
-    errors = []
+    out: list[list[str]] = []
     for e, (size, where) in enumerate(zip(sizes, engines, strict=True)):
+        errors: list[str] = []
         for r in range(size):
             key = worker_status_key(e, r, what)
             try:
@@ -178,4 +181,11 @@ def worker_errors(kv: KVStoreClient, pair: str, sizes: Sequence[int], engines: S
             if not (isinstance(value, dict) and value.get("ok") is True):
                 detail = value.get("error") if isinstance(value, dict) else value
                 errors.append(f"vLLM engine {e} ({where}) worker {r}: {what} failed: {detail}")
-    return errors
+        out.append(errors)
+    return out
+
+
+def worker_errors(kv: KVStoreClient, pair: str, sizes: Sequence[int], engines: Sequence[str], what: str,
+                  timeout_s: float) -> list[str]:
+    """`engine_errors`, all engines' messages in one list (empty when every worker succeeded)."""
+    return [m for errors in engine_errors(kv, pair, sizes, engines, what, timeout_s) for m in errors]

@@ -55,6 +55,10 @@ from awex_fast.vllm.worker import LOAD_MODES, AwexFastWorkerInitInfo
 
 __all__ = ["AwexFastTrainerInitInfo", "AwexFastTrainerWeightTransferEngine", "SendError", "ShardedSource"]
 
+# How long rank 0 waits for the workers' round reports once every update RPC returned (a live
+# worker writes its report before its RPC returns; only a dead server's never come).
+_REPORT_GRACE_S = 10.0
+
 
 class SendError(TransferError):
     """A round of `send_weights` failed; the message names the vLLM worker or trainer rank."""
@@ -372,10 +376,15 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         self.last_round = {"version": version, "seconds": time.perf_counter() - t0, **timings}
 
     def _drive_round(self, version: int) -> dict[str, float]:
-        """Rank 0: start on every engine, receive concurrently with this rank's sends, finish."""
+        """Rank 0: start on every engine, receive concurrently with this rank's sends, then finish
+        each engine by its own workers' outcome: one whose workers all loaded the round is
+        labelled ``version``, the others close vLLM's session unlabelled (their weights did not
+        change: `awex_fast.vllm.worker`). Raises `SendError` naming the engines that failed and
+        the ones that moved on, so every server serves one whole version that it reports."""
         info, adapter = self.info, self.adapter
         assert info is not None and adapter is not None
         timeout = info.timeout_s
+        names = self._engine_names()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             t0 = time.perf_counter()
             _all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(), timeout)
@@ -388,29 +397,42 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             except BaseException as exc:  # noqa: BLE001 - the workers' own errors say more
                 send_error = exc
             t2 = time.perf_counter()
-            errors = []
+            failures: list[list[str]] = []
             for where, fut in updates:
                 try:
                     _result(fut, where, "update_weights", timeout)
+                    failures.append([])
                 except SendError as exc:
-                    errors.append(str(exc))
+                    failures.append([str(exc)])
+            # Every update RPC has returned, and a live worker reports before its RPC returns: the
+            # reports are already there, unless the server is gone.
             kv = KVStoreClient(self.kv_url, self.admin_key)
             try:
-                errors += rendezvous.worker_errors(kv, self._round_pair(), self.engine_sizes,
-                                                   self._engine_names(), f"round{version}", timeout)
+                reports = rendezvous.engine_errors(kv, self._round_pair(), self.engine_sizes, names,
+                                                   f"round{version}", min(timeout, _REPORT_GRACE_S))
             finally:
                 kv.close()
+            for errors, worker_errors in zip(failures, reports, strict=True):
+                errors += worker_errors
             t3 = time.perf_counter()
-            if errors or send_error is not None:
-                # close vLLM's update session without a new version: the weights did not change
-                with contextlib.suppress(SendError):
-                    _all(pool, self.clients, "finish_weight_update", lambda c: c.finish_weight_update(),
-                         timeout)
-                why = "; ".join(errors) or f"sending failed: {send_error}"
-                raise SendError(f"round {version}: {why}", version=version) from send_error
-            _all(pool, self.clients, "finish_weight_update",
-                 lambda c: c.finish_weight_update(weight_version=str(version)), timeout)
+            finishes = [pool.submit(_finish, c, version if not errors else None)
+                        for c, errors in zip(self.clients, failures, strict=True)]
+            for where, fut, errors in zip(names, finishes, failures, strict=True):
+                try:
+                    _result(fut, where, "finish_weight_update", timeout)
+                except SendError as exc:  # its label is unknown now: count it as failed
+                    errors.append(str(exc))
             t4 = time.perf_counter()
+        failed = [names[e] for e, errors in enumerate(failures) if errors]
+        if failed or send_error is not None:
+            moved = [names[e] for e, errors in enumerate(failures) if not errors]
+            why = "; ".join(m for errors in failures for m in errors)
+            if send_error is not None:
+                why = f"{why}; sending failed: {send_error}" if why else f"sending failed: {send_error}"
+            outcome = (f"{', '.join(moved)} now serve version {version}" if moved else
+                       "every engine keeps its previous weights and version")
+            raise SendError(f"round {version} failed on {', '.join(failed) or 'the trainer'}: {why} "
+                            f"({outcome})", version=version) from send_error
         return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - t1, "finish_s": t4 - t3}
 
     def shutdown(self) -> None:
@@ -429,6 +451,15 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
+
+def _finish(client: Any, version: int | None) -> None:
+    """Close vLLM's update session on ``client``: labelled ``version``, or unlabelled (None)
+    when its weights did not change."""
+    if version is None:
+        client.finish_weight_update()
+    else:
+        client.finish_weight_update(weight_version=str(version))
 
 
 def _raise_worker_errors(kv: KVStoreClient, pair: str, sizes: list[int], engines: list[str], what: str,

@@ -11,8 +11,9 @@ vLLM creates one `AwexFastWeightTransferEngine` per worker (``--weight-transfer-
 * ``start_weight_update``: nothing to prepare (the plan and buffers are cached).
 * ``update_weights({"version": v})``: receive exactly the boxes this worker keeps.
   ``staged`` (always on CPU, and wherever vLLM post-processes weights): into checkpoint-format
-  buffers first; only when every byte arrived does vLLM's layerwise reload load them, so a
-  failed transfer leaves the served weights at the previous version. ``inplace`` (CUDA, no
+  buffers first; only when every byte arrived on every worker of the engine (they agree over
+  vLLM's own CPU group) does vLLM's layerwise reload load them, so a failed transfer leaves the
+  whole engine at the previous version. ``inplace`` (CUDA, no
   post-processing): straight into the live parameters, zero-copy.
 * ``finish_weight_update``: nothing left: the round already ran vLLM's
   ``finalize_layerwise_reload`` (repacking, quantization), and wrote CPU fused-MoE experts
@@ -264,15 +265,23 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
     def _receive(self, version: int) -> None:
         adapter = self._require_adapter()
         t0 = time.perf_counter()
+        error: Exception | None = None
         try:
             adapter.execute_weight_update(version)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the engine's other workers must hear of it first
+            error = exc
+        # Every worker of this engine loads, or none does: one worker loading the new version while
+        # its TP sibling keeps the old one would serve a model that is neither.
+        all_received = _engine_agrees(error is None, self.engine_size)
+        if error is not None or not all_received:
             kept = ("the served weights are still the previous version" if self.mode == "staged" else
                     "the served weights are MIXED (in-place mode): not usable until a round succeeds")
             adapter.teardown_weight_update_group()
             self.adapter = None
-            raise TransferError(f"{self.who}: receiving version {version} failed ({exc}); {kept}; the "
-                                "transfer group is torn down and re-forms at the next init") from exc
+            why = (f"receiving version {version} failed ({error})" if error is not None else
+                   f"another worker of this engine did not receive version {version}")
+            raise TransferError(f"{self.who}: {why}; {kept}; the transfer group is torn down and "
+                                "re-forms at the next init") from error
         self.last_timings = {"receive_s": time.perf_counter() - t0}
         if self._staged:
             self._load_staged()
@@ -360,3 +369,24 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             self._kv = None
         self._abandon_reload()
         self._tensors, self._staged, self.layout = {}, [], None
+
+
+def _engine_agrees(ok: bool, engine_size: int) -> bool:
+    """Whether ``ok`` holds on every worker of this vLLM engine: a MIN all-reduce over vLLM's
+    CPU world group (its workers, across TP, PP and DP: the ``engine_size`` ranks awex_fast joins
+    with). A sibling that died makes the collective fail, which counts as not ok."""
+    if engine_size <= 1:
+        return ok
+    from vllm.distributed.parallel_state import get_world_group
+
+    world = get_world_group()
+    if world.world_size != engine_size:  # not the group the rendezvous counted: cannot vouch
+        raise RuntimeError(f"vLLM's world group has {world.world_size} ranks, awex_fast counted "
+                           f"{engine_size} workers for this engine")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    try:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=world.cpu_group)
+    except Exception:  # a dead sibling: nobody in this engine may load
+        logger.exception("awex_fast: the engine's workers could not agree on the round")
+        return False
+    return bool(flag.item())

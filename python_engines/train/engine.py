@@ -166,6 +166,7 @@ class FSDPTrainEngine(TrainEngine):
         #: The adapter's stats of the last successful awex upload on this rank (bytes, seconds).
         self.last_weight_update: dict[str, Any] | None = None
         self._vllm_urls: list[str] = []  # vLLM servers awex uploads go to (connect_engine)
+        self._vllm_timeout_s = 300.0  # connect_engine(timeout_s=...)
         self._vllm: Any = None  # awex_fast.vllm's trainer engine, built at the first upload
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -710,19 +711,22 @@ class FSDPTrainEngine(TrainEngine):
             )
         self.last_weight_update = stats
 
-    def connect_engine(self, engine: Any) -> None:
+    def connect_engine(self, engine: Any, *, timeout_s: float = 300.0) -> None:
         """Send awex uploads to vLLM servers through awex_fast's vLLM backend: ``engine`` is an
         inference engine with ``addresses`` (`python_engines.inference.RemotevLLMEngine`), one
         server URL or a list of them. Call on every rank; the first awex upload joins (every
-        rank sends its own shards; rank 0 drives vLLM's weight-sync routes)."""
+        rank sends its own shards; rank 0 drives vLLM's weight-sync routes). ``timeout_s`` bounds
+        every wait of a join or a round (a worker waiting for bytes that never come). Calling it
+        again with other servers (say, without one that died) leaves the old group; the next
+        upload joins the new one."""
         urls = [engine] if isinstance(engine, str) else getattr(engine, "addresses", engine)
         urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
         if not urls:
             raise ValueError("connect_engine: no vLLM server addresses")
-        if self._vllm is not None and urls != self._vllm_urls:
+        if self._vllm is not None and (urls != self._vllm_urls or timeout_s != self._vllm_timeout_s):
             self._vllm.shutdown()
             self._vllm = None
-        self._vllm_urls = urls
+        self._vllm_urls, self._vllm_timeout_s = urls, float(timeout_s)
 
     def _upload_vllm(self, meta: WeightUpdateMeta) -> None:
         """The awex upload into the connected vLLM servers (`connect_engine`): one round of
@@ -737,7 +741,7 @@ class FSDPTrainEngine(TrainEngine):
                 rank=dist.get_rank(), world_size=dist.get_world_size(),
                 transport="nccl" if self._pick_device().type == "cuda" else "gloo",
                 kv_store_url=meta.kv_store_url, admin_api_key=meta.admin_api_key,
-                pair=meta.pair_name if meta.kv_store_url else None)
+                pair=meta.pair_name if meta.kv_store_url else None, timeout_s=self._vllm_timeout_s)
             # only rank 0 talks to vLLM; the others hold no client
             clients = [HTTPVLLMWeightSyncClient(u) for u in self._vllm_urls] if dist.get_rank() == 0 else None
             self._vllm = WeightTransferTrainerFactory.trainer_init(
