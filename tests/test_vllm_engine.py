@@ -14,7 +14,6 @@ import json
 import shutil
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,13 @@ from _losses import loss_tokens, next_token_loss
 from tensordict import TensorDict
 from vllm_support import (
     VllmServer,
+    cpu_env,
     get_json,
     greedy,
     make_qwen2_checkpoint,
     post_json,
     reload_from_checkpoint,
+    served_dtype_copy,
 )
 
 from python_engines.api import (
@@ -261,11 +262,26 @@ def test_pause_holds_new_requests_until_resume(make_engine, cluster: Cluster, mo
     assert engine.is_paused() == [False]
 
 
-def _generated_tokens(url: str) -> float:
-    """vLLM's ``vllm:generation_tokens_total`` counter (``/metrics``)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+def _pause_during(engine: RemotevLLMEngine, n: int, delay: float) -> tuple[LLMResponse, bool]:
+    """Start a greedy ``n``-token request, pause ``delay`` s later, relabel the weights 4, resume.
+    Returns the response and whether the request was still in flight when the pause began."""
+    done: list[float] = []
+    result: list[LLMResponse] = []
+
+    def run() -> None:
+        result.append(generate(engine, PROMPTS[2], max_new_tokens=n, greedy=True))
+        done.append(time.monotonic())
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(delay)
+    paused_at = time.monotonic()
+    engine.pause()
+    engine.set_version(4)
+    engine.resume()
+    worker.join(300)
+    engine.set_version(0)
+    return result[0], done[0] > paused_at
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep", "wait"])
@@ -274,35 +290,32 @@ def test_pause_around_an_update_with_a_request_in_flight(make_engine, cluster: C
     relabelled 4 and it resumes. ``keep`` and ``abort``: the request completes in full, its
     tokens sampled before the pause tagged 0 and the rest 4 (``abort``: the client resubmitted
     prompt + output so far after the resume); ``keep`` loses nothing, so its tokens equal an
-    uninterrupted run. ``wait``: the pause returned only once the request had finished, every
-    token tagged 0 and equal to the uninterrupted run."""
-    url, n = cluster.urls[0], 300
+    uninterrupted run. ``wait``: the pause returns only once the request finished, every token
+    tagged 0 and equal to the uninterrupted run. The pause lands a third of the way through an
+    uninterrupted run's time; a try where the request was not decoding at the pause (a loaded
+    machine) is repeated with the delay adjusted, up to 4 times."""
+    url, n = cluster.urls[0], 400
     engine = make_engine([url], pause_mode=mode)
     reference = generate(engine, PROMPTS[2], max_new_tokens=n, greedy=True)
     assert reference.output_versions == [0] * n
-    result: list[LLMResponse] = []
-    worker = threading.Thread(target=lambda: result.append(
-        generate(engine, PROMPTS[2], max_new_tokens=n, greedy=True)))
-    before = _generated_tokens(url)
-    worker.start()
-    deadline = time.monotonic() + 120
-    while _generated_tokens(url) < before + 8:  # the request is decoding
-        assert time.monotonic() < deadline and worker.is_alive(), "the request never started decoding"
-        time.sleep(0.02)
-    engine.pause()
-    engine.set_version(4)
-    engine.resume()
-    worker.join(300)
-    resp = result[0]
-    assert (resp.output_len, resp.stop_reason) == (n, "length")
-    versions = resp.output_versions
-    if mode == "wait":
-        assert versions == [0] * n  # finished before the pause returned, so before the relabel
-    else:
-        old = versions.count(0)
-        assert 8 <= old < n and versions == [0] * old + [4] * (n - old), versions
-    if mode != "abort":
-        assert resp.output_tokens == reference.output_tokens
+    delay = reference.latency / 3
+    for _ in range(4):
+        resp, in_flight = _pause_during(engine, n, delay)
+        assert (resp.output_len, resp.stop_reason) == (n, "length")
+        versions, old = resp.output_versions, resp.output_versions.count(0)
+        if mode == "wait":
+            assert versions == [0] * n  # the relabel came after the pause returned
+        else:
+            assert versions == [0] * old + [4] * (n - old), versions
+        if mode != "abort":
+            assert resp.output_tokens == reference.output_tokens
+        if not in_flight:
+            delay /= 3
+        elif mode != "wait" and old == 0:  # paused before its first token
+            delay *= 2
+        else:
+            return
+    pytest.fail(f"the request was never decoding when the pause came (last delay {delay:.2f} s)")
 
 
 # --- weight updates -----------------------------------------------------------------------------
@@ -348,6 +361,50 @@ def test_awex_future_completes_when_every_server_reports_the_version(make_engine
     with pytest.raises(TimeoutError, match=cluster.urls[1]):
         short.update_weights(WeightUpdateMeta(type="awex", version=8)).result(timeout=30)
     assert short.get_version() == 0
+
+
+# --- local mode -----------------------------------------------------------------------------------
+
+
+def _local_engine(rank: int, world_size: int, ck_a: str, ck_b: str) -> dict:
+    """In a fresh process: `RemotevLLMEngine` in local mode on checkpoint A (TP2), then a disk
+    update to B labelled 6; returns what it generated, and whether the vLLM went with `destroy`."""
+    from vllm_support import serve_args
+
+    engine = RemotevLLMEngine(InferenceEngineConfig(request_timeout=120.0, setup_timeout=300.0))
+    engine.initialize(local=serve_args(ck_a, tp=2, max_model_len=MAX_LEN))
+    url = engine.addresses[0]
+    engine.set_version(5)
+    out: dict = {"tp": engine.tp_sizes[url], "a": [], "b": []}
+    for prompt in PROMPTS:
+        r = generate(engine, prompt, max_new_tokens=8, greedy=True)
+        out["a"].append([r.output_tokens, r.output_logprobs, r.output_versions])
+    write_weight_version(ck_b, 6)
+    engine.update_weights(WeightUpdateMeta.from_disk(ck_b, version=6)).result(timeout=300)
+    for prompt in PROMPTS:
+        r = generate(engine, prompt, max_new_tokens=8, greedy=True)
+        out["b"].append([r.output_tokens, r.output_logprobs, r.output_versions])
+    engine.destroy()
+    try:
+        get_json(url + "/health", timeout=5)
+        out["stopped"] = False
+    except OSError:
+        out["stopped"] = True
+    return out
+
+
+def test_local_mode_runs_vllm_in_process(cluster: Cluster, tmp_path):
+    """``initialize(local=[vllm serve args])``: vLLM runs in the engine's process (TP2) and
+    generates what the ``vllm serve`` server of the same checkpoint generated, tagged with the
+    engine's versions; a disk update lands checkpoint B; `destroy` stops that vLLM."""
+    ck_b = shutil.copytree(cluster.ck_b, tmp_path / "B")
+    env = {k: v for k, v in cpu_env(2).items() if k.startswith(("VLLM_", "HF_", "TRANSFORMERS_"))}
+    out = run_world(_local_engine, 1, cluster.ck_a, str(ck_b), backend=None, timeout=600, env=env)[0]
+    assert out["tp"] == 2 and out["stopped"]
+    expected = [(r, 5) for r in cluster.ref_a] + [(r, 6) for r in cluster.ref_b]
+    for got, ((tokens, lps), version) in zip(out["a"] + out["b"], expected, strict=True):
+        assert got[0] == tokens and got[2] == [version] * 8
+        assert got[1] == pytest.approx(lps, abs=1e-4)
 
 
 # --- awex rounds from a real trainer -------------------------------------------------------------
@@ -421,7 +478,8 @@ def test_one_awex_round_from_the_train_engine_updates_both_servers(make_engine, 
     assert new != _as_lists(cluster.ref_a)
     assert [rnd["served"][u] for u in cluster.urls] == [{"label": "3", "greedy": new}] * 2
     assert generate(engine, PROMPTS[0], max_new_tokens=4, greedy=True).output_versions == [3] * 4
-    reload_from_checkpoint(cluster.urls[1], tmp_path / "v3")  # the oracle: vLLM's own loader
+    # the oracle: vLLM's own loader on the checkpoint in the served dtype
+    reload_from_checkpoint(cluster.urls[1], served_dtype_copy(tmp_path / "v3", tmp_path / "v3-bf16"))
     assert _as_lists(greedy(cluster.urls[1], PROMPTS, 8)) == new
 
 
@@ -471,5 +529,6 @@ def test_a_server_killed_mid_round_fails_it_naming_the_server_and_the_other_stay
     assert (f"{survivor.url} now serve version 5" in r5["error"]) == (kept["label"] == "5")
     assert r6["served"][survivor.url]["label"] == "6"
     for version, state in ((kept["label"], kept), ("6", r6["served"][survivor.url])):
-        reload_from_checkpoint(survivor.url, tmp_path / f"v{version}")
+        oracle = served_dtype_copy(tmp_path / f"v{version}", tmp_path / f"bf16-{version}")
+        reload_from_checkpoint(survivor.url, oracle)
         assert _as_lists(greedy(survivor.url, PROMPTS, 8)) == state["greedy"], f"version {version}"

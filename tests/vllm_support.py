@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,24 @@ def _save(model: Any, path: str | os.PathLike[str]) -> str:
     cfg["torch_dtype"] = "bfloat16"
     cfg["dtype"] = "bfloat16"
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    return str(out)
+
+
+def served_dtype_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
+    """``src``'s checkpoint with every tensor cast to bfloat16 (the served dtype), in ``dst``:
+    the oracle checkpoint for a float32 trainer. vLLM's reload of a float32 checkpoint copies a
+    float32 bias straight into its processed float32 bias, while a fresh start (and awex_fast)
+    round it through the bfloat16 parameter, so only the bfloat16 copy is an exact oracle."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(out / f.name))
+        elif f.is_file():
+            shutil.copy(f, out / f.name)
     return str(out)
 
 
@@ -183,6 +202,14 @@ def cpu_env(tp: int = 2) -> dict[str, str]:
     return env
 
 
+def serve_args(model: str | os.PathLike[str], *, tp: int = 2, max_model_len: int = 256,
+               dtype: str = "bfloat16") -> list[str]:
+    """The ``vllm serve`` arguments of every test engine (CPU, eager, no tokenizer, seed 0)."""
+    return ["--model", str(model), "--tensor-parallel-size", str(tp), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--enforce-eager", "--skip-tokenizer-init",
+            "--max-num-seqs", "8", "--seed", "0"]
+
+
 class VllmServerError(RuntimeError):
     """The server did not come up (or died); the message carries its log tail."""
 
@@ -222,30 +249,9 @@ class VllmServer:
             os.close(fd)
             log_path = log_name
         self.log_path = Path(log_path)
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--tensor-parallel-size",
-            str(tp),
-            "--dtype",
-            dtype,
-            "--max-model-len",
-            str(max_model_len),
-            "--enforce-eager",
-            "--skip-tokenizer-init",
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
-            *extra_args,
-        ]
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                    "--port", str(self.port),
+                    *serve_args(self.model, tp=tp, max_model_len=max_model_len, dtype=dtype), *extra_args]
         self.env = cpu_env(tp)
         if env:
             self.env.update(env)

@@ -10,7 +10,9 @@ the project's decoder server (sessions and event loops, POST with retries, the
 What the servers need: ``VLLM_SERVER_DEV_MODE=1`` (the RL routes ``/pause``, ``/resume``,
 ``/is_paused``, ``/weight_info``, ``/update_weight_version``, ``/collective_rpc``,
 ``/reset_prefix_cache``) and ``--enable-scale-out`` (the token-in/token-out route
-``/inference/v1/generate``). `initialize` checks both and names the missing one.
+``/inference/v1/generate``). `initialize` checks both and names the missing one. Local mode
+(``initialize(local=[vllm serve args])``) runs vLLM in this process instead
+(`python_engines.inference.vllm_local`), behind the same routes.
 ``InferenceEngineConfig.admin_api_key`` is sent as ``Authorization: Bearer`` on every request,
 which is what a server started with ``--api-key`` expects.
 
@@ -66,7 +68,8 @@ import asyncio
 import concurrent.futures
 import json
 import time
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
@@ -79,6 +82,9 @@ from python_engines.api import (
     wait_for_weight_version,
 )
 from python_engines.inference.remote import InferenceEngineConfig, RemoteInferenceEngine, ServerError
+
+if TYPE_CHECKING:
+    from python_engines.inference.vllm_local import LocalvLLMServer
 
 __all__ = ["PAUSE_MODES", "PauseMode", "RemotevLLMEngine"]
 
@@ -123,18 +129,45 @@ class RemotevLLMEngine(RemoteInferenceEngine):
         self.pause_mode: PauseMode = pause_mode
         self.model_names: dict[str, str] = {}
         self.max_model_lens: dict[str, int] = {}
+        self._local: LocalvLLMServer | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def initialize(self, addr: str | list[str] | None = None, ft_spec: FinetuneSpec | None = None) -> None:
+    def initialize(self, addr: str | list[str] | None = None, ft_spec: FinetuneSpec | None = None, *,
+                   local: Sequence[str] | None = None) -> None:
         """Connect to ``addr`` (a URL, a list of URLs, or None: ``config.server_addrs``); waits up
         to ``setup_timeout`` for every server's ``/health`` and checks that the generate and RL
-        routes are enabled (module docstring). ``ft_spec`` is unused."""
+        routes are enabled (module docstring). ``ft_spec`` is unused.
+
+        Local mode: ``local`` (``vllm serve`` arguments, e.g. ``["--model", path,
+        "--tensor-parallel-size", "2"]``, and no ``addr``) starts vLLM in this process
+        (`python_engines.inference.vllm_local.LocalvLLMServer`) and serves from it; `destroy`
+        stops it. ``addresses`` then holds its loopback URL, which is what a trainer's
+        ``connect_engine(engine)`` sends weights to."""
+        if local is not None:
+            if addr is not None:
+                raise ValueError("RemotevLLMEngine.initialize: pass addr or local, not both")
+            from python_engines.inference.vllm_local import LocalvLLMServer
+
+            self._local = LocalvLLMServer(local)
+            addr = self._local.start(self.config.setup_timeout)
         try:
             super().initialize(addr, ft_spec)
         except BaseException:
             self.destroy()
             raise
+
+    @property
+    def local_server(self) -> LocalvLLMServer | None:
+        """The in-process vLLM of local mode (its ``engine_client`` is the ``AsyncLLM``), or None."""
+        return self._local
+
+    def destroy(self) -> None:
+        """Close connections, stop the rollout executor and, in local mode, the in-process vLLM."""
+        super().destroy()
+        if self._local is not None:
+            self._local.stop()
+            self._local = None
 
     async def _wait_healthy(self) -> None:
         """Wait for every server, then read its model, ``max_model_len`` and TP size and probe
