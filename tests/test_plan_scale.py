@@ -42,7 +42,7 @@ def unpacked(metas):
 def test_merge_packs_and_keeps_the_python_order_and_dedupe():
     rng = random.Random(5)
     lists = []
-    for r in range(6):
+    for _ in range(6):
         shards = []
         for _ in range(5):
             row = rng.randrange(4)
@@ -134,5 +134,5 @@ def test_the_world_total_is_limited_too():
 def test_a_piece_whose_end_overflows_is_refused():
     shape = (2**40,)
     bad = ParameterMeta("w", shape, "int8", (ShardMeta(1, (2**40 - 1,), (2**63 - 2**40 + 2,)),))
-    with pytest.raises(PlanError, match="'w'.*outside the global shape"):
+    with pytest.raises(PlanError, match=r"'w'.*outside the global shape"):
         build_plan([bad], [one_piece("w", shape, "int8", 0)])
