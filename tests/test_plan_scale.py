@@ -136,3 +136,26 @@ def test_a_piece_whose_end_overflows_is_refused():
     bad = ParameterMeta("w", shape, "int8", (ShardMeta(1, (2**40 - 1,), (2**63 - 2**40 + 2,)),))
     with pytest.raises(PlanError, match=r"'w'.*outside the global shape"):
         build_plan([bad], [one_piece("w", shape, "int8", 0)])
+
+
+# ---------------------------------------------------------------------------------------------
+# awex-fast plan --link-gbps
+
+
+def test_cli_projects_the_sync_time(capsys):
+    from awex_fast.cli import FP8_SCALE_OVERHEAD, plan_main
+
+    argv = ["--model", "qwen2.5-0.5b", "--train", "tp2,dp2", "--infer", "tp2,engines2"]
+    assert plan_main([*argv, "--json", "--link-gbps", "80", "--nics-per-rank", "2"]) == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    proj, rate = out["projection"], 80e9 / 8 * 2
+    assert proj["recv_s"] == pytest.approx(out["recv_bytes_max"] / rate)
+    assert proj["send_s"] == pytest.approx(out["send_bytes_max"] / rate)
+    assert proj["projected_s"] == max(proj["send_s"], proj["recv_s"])
+    assert proj["bound_s"] <= proj["projected_s"] + 1e-12
+    assert plan_main([*argv[:-1], "tp2,engines2,dtype=float8_e4m3fn", "--json", "--link-gbps", "80"]) == 0
+    fp8 = __import__("json").loads(capsys.readouterr().out)
+    assert fp8["projection"]["recv_s"] == pytest.approx(fp8["recv_bytes_max"] * (1 + FP8_SCALE_OVERHEAD) / 1e10)
+    assert plan_main([*argv, "--link-gbps", "80"]) == 0
+    assert "projected sync time" in capsys.readouterr().out
+    assert plan_main([*argv, "--link-gbps", "0"]) == 2
