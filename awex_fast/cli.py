@@ -65,7 +65,7 @@ def projected_sync(stats: dict, link_gbps: float, nics_per_rank: int = 1, fp8: b
     makes the busiest sender send less than ``imbalance_bound`` x the mean. ``fp8`` (inference
     dtype of 1 byte) adds the block scales (`FP8_SCALE_OVERHEAD`) to every byte count."""
     if link_gbps <= 0 or nics_per_rank < 1:
-        raise ValueError(f"--link-gbps must be > 0 and --nics-per-rank >= 1, got {link_gbps}, {nics_per_rank}")
+        raise ValueError(f"link_gbps must be > 0 and nics_per_rank >= 1, got {link_gbps}, {nics_per_rank}")
     rate = link_gbps * 1e9 / 8 * nics_per_rank  # bytes/s per rank
     scale = 1 + FP8_SCALE_OVERHEAD if fp8 else 1.0
     send, recv = stats["send_bytes_max"] * scale, stats["recv_bytes_max"] * scale

@@ -155,7 +155,8 @@ def test_cli_projects_the_sync_time(capsys):
     assert proj["bound_s"] <= proj["projected_s"] + 1e-12
     assert plan_main([*argv[:-1], "tp2,engines2,dtype=float8_e4m3fn", "--json", "--link-gbps", "80"]) == 0
     fp8 = __import__("json").loads(capsys.readouterr().out)
-    assert fp8["projection"]["recv_s"] == pytest.approx(fp8["recv_bytes_max"] * (1 + FP8_SCALE_OVERHEAD) / 1e10)
+    want = fp8["recv_bytes_max"] * (1 + FP8_SCALE_OVERHEAD) / 1e10
+    assert fp8["projection"]["recv_s"] == pytest.approx(want)
     assert plan_main([*argv, "--link-gbps", "80"]) == 0
     assert "projected sync time" in capsys.readouterr().out
     assert plan_main([*argv, "--link-gbps", "0"]) == 2
