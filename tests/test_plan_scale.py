@@ -160,3 +160,17 @@ def test_cli_projects_the_sync_time(capsys):
     assert plan_main([*argv, "--link-gbps", "80"]) == 0
     assert "projected sync time" in capsys.readouterr().out
     assert plan_main([*argv, "--link-gbps", "0"]) == 2
+
+
+def test_packed_rows_with_empty_or_bad_pieces_take_the_checked_path():
+    empty = ShardMeta(3, (0, 0), (0, 4))
+    full = ShardMeta(1, (0, 0), (4, 4))
+    m = merge_metas([[ParameterMeta("w", (4, 4), "float32", (full, empty))]])[0]
+    assert m._shard_pack is not None
+    inf = [ParameterMeta("w", (4, 4), "float32", (ShardMeta(0, (0, 0), (4, 4)),))]
+    assert build_plan([m], inf).digest() == build_plan(unpacked([m]), inf).digest()
+    assert build_plan([m], inf).senders == [1]
+    bad = merge_metas([[ParameterMeta("w", (4, 4), "float32", (ShardMeta(1, (2, 0), (4, 4)),))]])[0]
+    assert bad._shard_pack is not None
+    with pytest.raises(PlanError, match=r"'w'.*rank 1 at offset \(2, 0\).*outside the global shape"):
+        build_plan([bad], inf)

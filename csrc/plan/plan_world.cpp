@@ -347,9 +347,23 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
             in.piece_loc.data() + ploc_at[i], nloc);
       }
       if (has_packed && in.packed[row]) {
-        const int64_t* x = in.packed[row];
-        recs.reserve(recs.size() + static_cast<size_t>(in.packed_n[row] * stride));
-        for (int64_t j = 0; j < in.packed_n[row]; ++j, x += stride) add(x[0], x + 1, x + 1 + nd, x + 1 + 2 * nd, nd);
+        // Fast path: a block of valid non-empty records is appended whole; otherwise `add` drops
+        // the empty ones and names the first bad one.
+        const int64_t* x0 = in.packed[row];
+        const int64_t n = in.packed_n[row];
+        bool clean = true;
+        for (const int64_t* x = x0; clean && x < x0 + n * stride; x += stride) {
+          clean = x[0] >= 0 && x[0] <= INT32_MAX;
+          for (int d = 0; clean && d < nd; ++d) {
+            const int64_t off = x[1 + d], len = x[1 + nd + d], loc = x[1 + 2 * nd + d];
+            clean = off >= 0 && len > 0 && len <= shape[d] - off && loc >= 0;
+          }
+        }
+        if (clean) {
+          recs.insert(recs.end(), x0, x0 + n * stride);
+        } else {
+          for (const int64_t* x = x0; x < x0 + n * stride; x += stride) add(x[0], x + 1, x + 1 + nd, x + 1 + 2 * nd, nd);
+        }
       }
       for (int64_t i = rule_at[row]; i < rule_at[row + 1]; ++i) {
         const int64_t t = in.rule_ref[i];
