@@ -63,11 +63,11 @@ def explicit_lists(metas: list) -> list:
     return merge_metas(per)
 
 AWEX_VENV = """\
-Awex 0.9 in a separate venv that also sees this project's venv (torch, awex_fast):
+Awex 0.9 in a separate venv, with this checkout on PYTHONPATH (nothing of Awex in the project's venv):
   python -m venv /work/awex-venv
-  /work/awex-venv/bin/pip install awex==0.9.0 psutil aiohttp matplotlib IPython 'megatron-core==0.16.*'
-  echo "import site; site.addsitedir('/work/main/.venv/lib/python3.11/site-packages')" \\
-    > /work/awex-venv/lib/python3.11/site-packages/zz_mainvenv.pth
+  /work/awex-venv/bin/pip install torch==2.13.0 numpy
+  /work/awex-venv/bin/pip install awex==0.9.0 'megatron-core==0.16.*' transformers requests psutil aiohttp
+  PYTHONPATH=$PWD /work/awex-venv/bin/python benchmarks/bench_plan.py
 """
 
 
@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=AWEX_VENV
     )
-    parser.add_argument("--layouts", default=DEFAULT, help=f"comma list of {', '.join([*LAYOUTS, *EXPLICIT])}")
+    names = ", ".join([*LAYOUTS, *EXPLICIT])
+    parser.add_argument("--layouts", default=DEFAULT, help=f"comma list of {names}")
     parser.add_argument("--samples", type=int, default=5, help="timed calls per measurement (+1 warm-up)")
     parser.add_argument("--awex-samples", type=int, default=2, help="timed Awex calls per rank")
     parser.add_argument("--no-awex", action="store_true", help="skip Awex even if it is installed")
