@@ -40,12 +40,14 @@ def check(run: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Print one row per bench JSON; exit 1 if any is off by more than the tolerance."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     parser.add_argument("files", nargs="+", help="awex-fast bench --json outputs (with raw and awex_fast)")
     parser.add_argument("--tolerance", type=float, default=0.25)
     args = parser.parse_args(argv)
     bad = 0
-    print(f"{'file':32} {'backend':8} {'rank Gbit/s':>11} {'projected s':>11} {'measured s':>10} {'error':>7}")
+    head = f"{'rank Gbit/s':>11} {'projected s':>11} {'measured s':>10} {'error':>7}"
+    print(f"{'file':32} {'backend':8} {head}")
     for path in args.files:
         with open(path) as f:
             row = check(json.load(f))
