@@ -52,6 +52,44 @@ def plan_table(stats: dict, extra: Sequence[tuple[str, str]] = ()) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
+# FP8 weights travel with their scales: one float32 per 128 x 128 block (DeepSeek-V3 / Kimi-K2
+# block quantisation) when the model lists no scale tensors of its own.
+FP8_SCALE_OVERHEAD = 4 / (128 * 128)
+
+
+def projected_sync(stats: dict, link_gbps: float, nics_per_rank: int = 1, fp8: bool = False) -> dict:
+    """Projected seconds of one sync from a plan's stats: the busiest sender's and the busiest
+    receiver's bytes over one rank's link rate (``link_gbps`` Gbit/s per NIC x ``nics_per_rank``),
+    transfers of all pairs overlapping and nothing else limiting. ``bound_s`` is what any plan of
+    this layout could reach: receivers' bytes are fixed by the layout, and no replica choice
+    makes the busiest sender send less than ``imbalance_bound`` x the mean. ``fp8`` (inference
+    dtype of 1 byte) adds the block scales (`FP8_SCALE_OVERHEAD`) to every byte count."""
+    if link_gbps <= 0 or nics_per_rank < 1:
+        raise ValueError(f"link_gbps must be > 0 and nics_per_rank >= 1, got {link_gbps}, {nics_per_rank}")
+    rate = link_gbps * 1e9 / 8 * nics_per_rank  # bytes/s per rank
+    scale = 1 + FP8_SCALE_OVERHEAD if fp8 else 1.0
+    send, recv = stats["send_bytes_max"] * scale, stats["recv_bytes_max"] * scale
+    bound_send = stats["imbalance_bound"] * stats["send_bytes_mean"] * scale
+    return {
+        "link_gbps": link_gbps, "nics_per_rank": nics_per_rank, "rank_bytes_per_s": rate,
+        "send_s": send / rate, "recv_s": recv / rate, "projected_s": max(send, recv) / rate,
+        "bound_s": max(bound_send, recv) / rate, "imbalance": stats["imbalance"],
+        "total_bytes": stats["total_bytes"] * scale, "fp8_scales": fp8,
+    }  # fmt: skip
+
+
+def projection_rows(proj: dict) -> list[tuple[str, str]]:
+    """`projected_sync` as rows of `plan_table`."""
+    link = f"{proj['link_gbps']:g} Gbit/s x {proj['nics_per_rank']} per rank"
+    return [
+        ("link", f"{link} = {proj['rank_bytes_per_s'] / 1e9:.2f} GB/s"
+                 + (" (FP8 + block scales)" if proj["fp8_scales"] else "")),
+        ("busiest sender / receiver", f"{proj['send_s']:.3f} s / {proj['recv_s']:.3f} s"),
+        ("projected sync time", f"{proj['projected_s']:.3f} s (imbalance {proj['imbalance']:.4f})"),
+        ("  lower bound for any plan", f"{proj['bound_s']:.3f} s"),
+    ]  # fmt: skip
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """``awex-fast plan --model NAME --train SPEC --infer SPEC``: print the plan's stats table
     (or JSON with ``--json``). Exit codes: 0, 2 for bad arguments or metadata the planner
@@ -72,7 +110,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, action="append", default=[],
                         help="also time for_rank(RANK) and show its buckets (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="project the sync time over links of this many Gbit/s per NIC")
+    parser.add_argument("--nics-per-rank", type=int, default=1, help="NICs per rank (default 1)")
     args = parser.parse_args(argv)
+    if args.link_gbps is not None and (args.link_gbps <= 0 or args.nics_per_rank < 1):
+        print("awex-fast plan: bad arguments: --link-gbps must be > 0 and --nics-per-rank >= 1",
+              file=sys.stderr)
+        return 2
     try:
         model = model_spec(args.model, args.layers)
         train, infer = parse_train(args.train), parse_infer(args.infer)
@@ -94,9 +139,15 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             "recv_buckets": len(rp.recvs), "send_bytes": rp.send_bytes, "recv_bytes": rp.recv_bytes,
         })  # fmt: skip
     stats = plan.stats()
+    proj = None
+    if args.link_gbps is not None:
+        fp8 = (infer.dtype or "").startswith("float8")
+        proj = projected_sync(stats, args.link_gbps, args.nics_per_rank, fp8)
     if args.json:
         out = {k: v for k, v in stats.items() if not k.startswith("per_rank")}
         out.update(model=model.name, train=args.train, infer=args.infer, ranks=per_rank)
+        if proj is not None:
+            out["projection"] = proj
         print(json.dumps(out, indent=1))
         return 0
     extra = [
@@ -111,7 +162,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             f"{pr['time_s'] * 1e3:.2f} ms, {pr['ops']} ops, {pr['send_buckets']} send / "
             f"{pr['recv_buckets']} recv buckets",
         ))  # fmt: skip
-    print(plan_table(stats, extra))
+    table = plan_table(stats, extra)
+    if proj is not None:
+        width = max(len(line.split("  ")[0]) for line in table.splitlines())
+        table += "\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in projection_rows(proj))
+    print(table)
     return 0
 
 

@@ -193,6 +193,11 @@ _MODELS: dict[str, Callable[[int | None], ModelSpec]] = {
         "Kimi-K2", _Dense(7168, 18432, 61, 64, 64, 163840, qkv_bias=False), 384, 2048, 1, 1536, 512,
         128, 64, 128, 1,
     ),
+    # DeepSeek-V3 (671B): Kimi-K2's architecture with 128 heads, 256 experts, 3 dense layers.
+    "deepseek-v3": _deepseek_v3(
+        "DeepSeek-V3", _Dense(7168, 18432, 61, 128, 128, 129280, qkv_bias=False), 256, 2048, 3, 1536, 512,
+        128, 64, 128, 1,
+    ),
     # A small-expert MoE (Qwen3-MoE naming): 8 layers x 64 experts of 256 x 512.
     "small-moe": _qwen3_moe("small-moe", _Dense(512, 1024, 8, 8, 2, 32000, 64, False, True), 64, 256),
     # Tiny shapes of the same families, small enough to move real tensors in tests.

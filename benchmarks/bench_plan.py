@@ -16,7 +16,7 @@ and CPU (process) time are reported, the CPU figure being the robust one on a sh
 Awex runs in the same process when importable (see --help for the venv recipe); otherwise its
 columns say so. Not a test: nothing here runs in CI.
 
-    python benchmarks/bench_plan.py                       # 72B and Kimi-K2 EP, awex_fast only
+    python benchmarks/bench_plan.py                       # 72B, Kimi-K2 EP (rules and explicit lists)
     /work/awex-venv/bin/python benchmarks/bench_plan.py --out /tmp/bench_plan.json
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from awex_fast.awex_baseline import awex_available, quiet_awex_logs, to_awex
 from awex_fast.layouts.synthetic import parse_infer, parse_train, world_metas
-from awex_fast.meta import metas_from_json, metas_to_json
+from awex_fast.meta import ParameterMeta, merge_metas, metas_from_json, metas_to_json
 from awex_fast.models import model_spec
 from awex_fast.plan import build_plan
 
@@ -44,14 +44,30 @@ LAYOUTS: dict[str, tuple[str, str, str]] = {
     "kimi-ep": ("kimi-k2", "ep64,pp4", "tp16,engines8,ep"),  # experts whole on one rank per engine
     "kimi-tp": ("kimi-k2", "ep64,pp4", "tp16,engines8"),  # experts TP16-split inside each engine
 }
-DEFAULT = "72b,72b-1024,kimi-ep"
+# Explicit-list twins: the same layouts as every rank's own ShardMeta list (what
+# metas_from_dtensors reports on the FSDP2 path) merged with merge_metas, which packs them for the
+# planner. Awex plans the same pieces (its metadata has no rules), so its columns are unchanged.
+EXPLICIT: dict[str, str] = {"72b-explicit": "72b", "kimi-ep-explicit": "kimi-ep"}
+DEFAULT = "72b,72b-explicit,72b-1024,kimi-ep,kimi-ep-explicit"
+
+
+def explicit_lists(metas: list) -> list:
+    """``metas`` with every rule expanded, reported rank by rank and merged (`merge_metas`)."""
+    per: dict[int, list] = {}
+    for m in metas:
+        by: dict[int, list] = {}
+        for s in m.pieces():
+            by.setdefault(s.rank, []).append(s)
+        for r, ss in by.items():
+            per.setdefault(r, []).append(ParameterMeta(m.name, m.global_shape, m.dtype, tuple(ss)))
+    return merge_metas(per)
 
 AWEX_VENV = """\
-Awex 0.9 in a separate venv that also sees this project's venv (torch, awex_fast):
+Awex 0.9 in a separate venv, with this checkout on PYTHONPATH (nothing of Awex in the project's venv):
   python -m venv /work/awex-venv
-  /work/awex-venv/bin/pip install awex==0.9.0 psutil aiohttp matplotlib IPython 'megatron-core==0.16.*'
-  echo "import site; site.addsitedir('/work/main/.venv/lib/python3.11/site-packages')" \\
-    > /work/awex-venv/lib/python3.11/site-packages/zz_mainvenv.pth
+  /work/awex-venv/bin/pip install torch==2.13.0 numpy
+  /work/awex-venv/bin/pip install awex==0.9.0 'megatron-core==0.16.*' transformers requests psutil aiohttp
+  PYTHONPATH=$PWD /work/awex-venv/bin/python benchmarks/bench_plan.py
 """
 
 
@@ -102,7 +118,7 @@ def bench_awex(train: list, infer: list, I: int, T: int, engines: int, tp: int, 
 def bench_layout(
     name: str, samples: int, awex_samples: int, with_awex: bool, all_ranks: bool
 ) -> dict[str, Any]:
-    model, tspec, ispec = LAYOUTS[name]
+    model, tspec, ispec = LAYOUTS[EXPLICIT.get(name, name)]
     spec = model_spec(model)
     tl, il = parse_train(tspec), parse_infer(ispec)
     I, T = il.world_size, tl.world_size
@@ -111,6 +127,12 @@ def bench_layout(
     t0 = time.perf_counter()
     train, infer = world_metas(spec, tl, il)
     res["layout_gen_s"] = time.perf_counter() - t0
+    rule_metas = train, infer
+    if name in EXPLICIT:
+        t0 = time.perf_counter()
+        train, infer = explicit_lists(train), explicit_lists(infer)
+        res["explicit"] = {"merge_s": time.perf_counter() - t0,
+                           "pieces": sum(len(m.shards) for m in train) + sum(len(m.shards) for m in infer)}
 
     enc, blobs = timed(lambda: (metas_to_json(train), metas_to_json(infer)), max(1, samples // 2))
     dec, _ = timed(lambda: (metas_from_json(blobs[0]), metas_from_json(blobs[1])), max(1, samples // 2))
@@ -138,7 +160,7 @@ def bench_layout(
             plan.for_rank(r)
         res["all_ranks_for_rank"] = {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - c}
     if with_awex:
-        res["awex"] = bench_awex(train, infer, I, T, il.engines, il.tp, ranks, awex_samples)
+        res["awex"] = bench_awex(*rule_metas, I, T, il.engines, il.tp, ranks, awex_samples)
     return res
 
 
@@ -154,6 +176,8 @@ def report(results: list[dict[str, Any]]) -> str:
         lines += [
             f"== {r['layout']}: {r['model']} ({r['tensors']} tensors), training {r['train']} "
             f"({r['train_ranks']} ranks) -> inference {r['infer']} ({r['infer_ranks']} ranks)",
+            *([f"   explicit lists: {r['explicit']['pieces']} pieces, expanded + merge_metas "
+               f"{r['explicit']['merge_s']:.2f} s (untimed setup)"] if "explicit" in r else []),
             f"   metadata JSON {r['json']['bytes'] / 2**20:.1f} MiB: encode "
             f"{_ms(r['json']['encode']['cpu_s'])} ms, decode {_ms(r['json']['decode']['cpu_s'])} ms (CPU)",
             f"   build_plan          wall {_ms(r['build_plan']['wall_s'])} ms   cpu "
@@ -196,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=AWEX_VENV
     )
-    parser.add_argument("--layouts", default=DEFAULT, help=f"comma list of {', '.join(LAYOUTS)}")
+    names = ", ".join([*LAYOUTS, *EXPLICIT])
+    parser.add_argument("--layouts", default=DEFAULT, help=f"comma list of {names}")
     parser.add_argument("--samples", type=int, default=5, help="timed calls per measurement (+1 warm-up)")
     parser.add_argument("--awex-samples", type=int, default=2, help="timed Awex calls per rank")
     parser.add_argument("--no-awex", action="store_true", help="skip Awex even if it is installed")

@@ -30,6 +30,13 @@ constexpr int64_t kOpAlign = 16;
 // one replica.
 constexpr int64_t kMinPartBytes = 64 << 10;
 
+// Largest parameter the planner accepts, in bytes of either side's dtype (256 TiB), and the
+// largest sum over all parameters (2^62): every byte count and offset it computes then fits in
+// int64 (a (2^31, 2^31) float32 parameter is 2^64 bytes). Beyond them: PlanError naming the
+// parameter.
+constexpr int64_t kMaxParamBytes = int64_t{1} << 48;
+constexpr int64_t kMaxTotalBytes = int64_t{1} << 62;
+
 enum Side : int { kTrain = 0, kInfer = 1 };
 
 // Metadata that cannot be planned (missing names, shape mismatches, colliding ranks, regions no
@@ -70,6 +77,12 @@ struct SideInput {
   std::vector<int64_t> npieces, nrules;                         // [P]: of each row, in order
   std::vector<int64_t> piece_rank, piece_off_n, piece_off, piece_len_n, piece_len, piece_loc_n,
       piece_loc;                                                // [N] (+ flat)
+  // [P] or empty: more explicit pieces of row p, packed[p] -> packed_n[p] records
+  // [rank, off[ndim], len[ndim], loc[ndim]] (null / 0: none). Packed by merge_metas once, so
+  // that a row of 64 pieces is one buffer, not 64 objects; the buffers outlive the World's
+  // constructor (plan_bindings.cpp keeps their owners alive).
+  std::vector<const int64_t*> packed;
+  std::vector<int64_t> packed_n;
   std::vector<int64_t> rule_ref;                                // [R] -> distinct rule
   std::vector<int64_t> rule_replicas, rule_dims_n, rule_dims, rule_chunks_n, rule_chunks,
       rule_loc_n, rule_loc, rule_ranks_n, rule_ranks;           // [U] (+ flat)
@@ -179,6 +192,7 @@ class World {
               const std::vector<int64_t>& row_param);
   void ingest_defs(int side, const SideInput& in, const std::vector<int64_t>& row_param);
   bool holds(int side, const Param& P, int64_t rank) const;
+  static int64_t check_size(const Param& P);  // larger side's bytes; PlanError past the limits
   void check_ranks();
   void check_coverage(int64_t p) const;
 

@@ -5,7 +5,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
+#include <numeric>
+#include <string>
 #include <unordered_map>
 
 #include "plan/plan.h"
@@ -37,13 +40,13 @@ struct Ref {  // owned reference
 
 struct Attrs {
   PyObject *name, *global_shape, *dtype, *shards, *rules, *rank, *global_offset, *shape,
-      *local_offset, *ranks, *split_dims, *num_chunks, *replicas;
+      *local_offset, *ranks, *split_dims, *num_chunks, *replicas, *shard_pack;
   Attrs() {
     auto i = [](const char* s) { return PyUnicode_InternFromString(s); };
     name = i("name"), global_shape = i("global_shape"), dtype = i("dtype"), shards = i("shards");
     rules = i("rules"), rank = i("rank"), global_offset = i("global_offset"), shape = i("shape");
     local_offset = i("local_offset"), ranks = i("ranks"), split_dims = i("split_dims");
-    num_chunks = i("num_chunks"), replicas = i("replicas");
+    num_chunks = i("num_chunks"), replicas = i("replicas"), shard_pack = i("_shard_pack");
   }
 };
 
@@ -108,11 +111,13 @@ class Encoder {
       }
       {
         Ref shards(get(m, A.shards, "shards"));
-        Ref fast(PySequence_Fast(shards.p, "shards must be a sequence"));
-        if (!fast.p) fail_py("shards");
-        const Py_ssize_t ns = PySequence_Fast_GET_SIZE(fast.p);
-        in_.npieces.push_back(ns);
-        for (Py_ssize_t j = 0; j < ns; ++j) shard(PySequence_Fast_GET_ITEM(fast.p, j));
+        if (!packed(m, shards.p, in_.ndim.back())) {
+          Ref fast(PySequence_Fast(shards.p, "shards must be a sequence"));
+          if (!fast.p) fail_py("shards");
+          const Py_ssize_t ns = PySequence_Fast_GET_SIZE(fast.p);
+          in_.npieces.push_back(ns);
+          for (Py_ssize_t j = 0; j < ns; ++j) shard(PySequence_Fast_GET_ITEM(fast.p, j));
+        }
       }
       {
         Ref rules(get(m, A.rules, "rules"));
@@ -181,6 +186,37 @@ class Encoder {
     Ref loc(get(sh, A.local_offset, "shard local_offset"));
     in_.piece_loc_n.push_back(ints(loc.p, in_.piece_loc, "shard local_offset"));
   }
+  // The explicit pieces of `m` from its `_shard_pack` (set by awex_fast.meta.merge_metas, see
+  // pack_shards below): (shards, ndim, bytes of int64 records [rank, off[nd], len[nd], loc[nd]])
+  // for exactly the `shards` object read. Returns false (nothing appended) when there is none
+  // or it does not describe `shards`; the caller then reads the pieces one by one.
+  bool packed(PyObject* m, PyObject* shards, int64_t nd) {
+    in_.packed.push_back(nullptr);
+    in_.packed_n.push_back(0);
+    PyObject* pack = PyObject_GetAttr(m, attrs().shard_pack);
+    if (!pack) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) fail_py("cannot read _shard_pack");
+      PyErr_Clear();
+      return false;
+    }
+    Ref hold(pack);
+    if (!PyTuple_CheckExact(pack) || PyTuple_GET_SIZE(pack) != 3 || PyTuple_GET_ITEM(pack, 0) != shards ||
+        !PyTuple_CheckExact(shards) || !PyBytes_CheckExact(PyTuple_GET_ITEM(pack, 2))) {
+      return false;
+    }
+    const long long pnd = PyLong_AsLongLong(PyTuple_GET_ITEM(pack, 1));
+    if (pnd == -1 && PyErr_Occurred()) PyErr_Clear();
+    PyObject* bytes = PyTuple_GET_ITEM(pack, 2);
+    const int64_t stride = 1 + 3 * nd;
+    const int64_t n = PyTuple_GET_SIZE(shards);
+    if (pnd != nd || PyBytes_GET_SIZE(bytes) != static_cast<Py_ssize_t>(n * stride * 8)) return false;
+    in_.packed.back() = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(bytes));
+    in_.packed_n.back() = n;
+    in_.npieces.push_back(0);
+    Py_INCREF(bytes);  // read by the World's constructor
+    keep_.push_back(bytes);
+    return true;
+  }
   int64_t rule(PyObject* r) {
     auto hit = by_ptr_.find(r);
     if (hit != by_ptr_.end()) return hit->second;
@@ -229,6 +265,101 @@ class Encoder {
   std::unordered_map<PyObject*, int64_t> by_ptr_;
   std::unordered_map<std::vector<int64_t>, int64_t, VecHash> by_value_;
 };
+
+// ---------------------------------------------------------------------------------------------
+// merge_metas' native half (awex_fast/meta.py): the distinct shards of one merged parameter, in
+// merge order, and their planner records, read once so that build_plan never reads them again.
+
+// Reads exactly `nd` ints of a tuple/sequence into out; false (error cleared) on anything else.
+bool read_exact(PyObject* seq, int64_t nd, int64_t* out) {
+  Ref fast(PySequence_Fast(seq, ""));
+  if (!fast.p || PySequence_Fast_GET_SIZE(fast.p) != nd) {
+    PyErr_Clear();
+    return false;
+  }
+  for (int64_t i = 0; i < nd; ++i) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast.p, i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// (order, packed) for a list of ShardMeta objects of a parameter with `nd` dims: `order` lists
+// the positions of the distinct shards sorted by awex_fast.meta._shard_key (rank, global offset,
+// local offset, shape, local offset given), the first of equal ones kept, as `dict.fromkeys`
+// then `sorted` would; None when that is the input order. `packed` holds their records
+// [rank, off[nd], len[nd], loc[nd]] (loc zeros when not given) as native-endian int64 bytes, in
+// the planner's canonical order.
+// Returns None when a shard cannot be read as nd-dim integers: the caller then merges in Python
+// and build_plan reports the defect with the parameter's name.
+py::object pack_shards(const py::sequence& shards, int64_t nd) {
+  if (nd < 0 || nd > kMaxDims) return py::none();
+  const Attrs& A = attrs();
+  const int64_t n = static_cast<int64_t>(py::len(shards));
+  const int64_t kw = 2 + 3 * nd;  // key: rank, off, loc, len, has_loc
+  std::vector<int64_t> keys(static_cast<size_t>(n * kw));
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t* k = &keys[j * kw];
+    py::object sh = shards[static_cast<size_t>(j)];
+    Ref rank(PyObject_GetAttr(sh.ptr(), A.rank)), off(PyObject_GetAttr(sh.ptr(), A.global_offset)),
+        len(PyObject_GetAttr(sh.ptr(), A.shape)), loc(PyObject_GetAttr(sh.ptr(), A.local_offset));
+    if (!rank.p || !off.p || !len.p || !loc.p) {
+      PyErr_Clear();
+      return py::none();
+    }
+    k[0] = PyLong_AsLongLong(rank.p);
+    if (k[0] == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return py::none();
+    }
+    k[kw - 1] = loc.p != Py_None;
+    if (!read_exact(off.p, nd, k + 1) || !read_exact(len.p, nd, k + 1 + 2 * nd)) return py::none();
+    if (k[kw - 1] && !read_exact(loc.p, nd, k + 1 + nd)) return py::none();
+    if (!k[kw - 1]) std::fill(k + 1 + nd, k + 1 + 2 * nd, 0);
+  }
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  auto key = [&](int64_t j) { return &keys[j * kw]; };
+  auto less = [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(key(a), key(a) + kw, key(b), key(b) + kw);
+  };
+  if (!std::is_sorted(order.begin(), order.end(), less)) std::stable_sort(order.begin(), order.end(), less);
+  order.erase(std::unique(order.begin(), order.end(),
+                          [&](int64_t a, int64_t b) { return std::equal(key(a), key(a) + kw, key(b)); }),
+              order.end());
+  bool identity = static_cast<int64_t>(order.size()) == n;
+  for (size_t i = 0; identity && i < order.size(); ++i) identity = order[i] == static_cast<int64_t>(i);
+  // Records in the planner's canonical order (offset, shape, rank, local offset; plan_world.cpp),
+  // so that build_plan finds them sorted.
+  std::vector<int64_t> by_box(order);
+  auto box_less = [&](int64_t a, int64_t b) {
+    const int64_t *x = key(a), *y = key(b);
+    for (int64_t j : {int64_t{0}, int64_t{2}}) {  // offset, then shape
+      const int64_t at = 1 + j * nd;
+      if (!std::equal(x + at, x + at + nd, y + at)) {
+        return std::lexicographical_compare(x + at, x + at + nd, y + at, y + at + nd);
+      }
+    }
+    if (x[0] != y[0]) return x[0] < y[0];
+    return std::lexicographical_compare(x + 1 + nd, x + 1 + 2 * nd, y + 1 + nd, y + 1 + 2 * nd);
+  };
+  if (!std::is_sorted(by_box.begin(), by_box.end(), box_less)) std::sort(by_box.begin(), by_box.end(), box_less);
+  const int64_t stride = 1 + 3 * nd;
+  std::string packed(by_box.size() * stride * sizeof(int64_t), '\0');
+  auto* rec = reinterpret_cast<int64_t*>(packed.data());
+  for (size_t i = 0; i < by_box.size(); ++i, rec += stride) {
+    const int64_t* k = key(by_box[i]);
+    rec[0] = k[0];
+    std::copy(k + 1, k + 1 + nd, rec + 1);                   // offset
+    std::copy(k + 1 + 2 * nd, k + 1 + 3 * nd, rec + 1 + nd);  // shape
+    std::copy(k + 1 + nd, k + 1 + 2 * nd, rec + 1 + 2 * nd);  // local offset
+  }
+  py::object ord = identity ? py::object(py::none()) : py::object(py::cast(order));
+  return py::make_tuple(ord, py::bytes(packed));
+}
 
 py::array_t<int64_t> to_numpy(std::vector<int64_t>&& v, int64_t cols) {
   auto* owned = new std::vector<int64_t>(std::move(v));
@@ -342,8 +473,13 @@ void register_apis(py::module_& m) {
   sub.attr("MAX_DIMS") = kMaxDims;
   sub.attr("OP_ALIGN") = kOpAlign;
   sub.attr("MIN_PART_BYTES") = kMinPartBytes;
+  sub.attr("MAX_PARAM_BYTES") = kMaxParamBytes;
+  sub.attr("MAX_TOTAL_BYTES") = kMaxTotalBytes;
   sub.attr("OP_BOXES") = static_cast<int>(kOpBoxes);
   sub.attr("BUCKET_COLS") = static_cast<int>(kBucketCols);
+  sub.def("pack_shards", &pack_shards, py::arg("shards"), py::arg("ndim"),
+          "(order or None, packed int64 records) of a parameter's distinct shards; None when a "
+          "shard is not nd-dim integers (see awex_fast.meta.merge_metas).");
   py::class_<PyWorld>(sub, "World")
       .def(py::init<const py::object&, const py::object&, int64_t, const py::dict&,
                     const std::vector<int64_t>&, const py::object&, int64_t>(),

@@ -35,7 +35,8 @@ std::vector<int64_t> prefix(const std::vector<int64_t>& n) {
   return out;
 }
 
-void expect_size(const std::vector<int64_t>& s, int64_t n, const char* what) {
+template <typename V>
+void expect_size(const V& s, int64_t n, const char* what) {
   if (static_cast<int64_t>(s.size()) != n) {
     throw PlanError(std::string("encoded metadata: array '") + what + "' has " +
                     std::to_string(s.size()) + " entries, expected " + std::to_string(n));
@@ -109,7 +110,13 @@ World::World(const SideInput& train, const SideInput& infer, int64_t bucket_byte
   }
 
   int64_t max_item = 1;
+  int64_t total_bytes = 0;
   for (const Param& P : params_) {
+    total_bytes += check_size(P);
+    if (total_bytes > kMaxTotalBytes) {
+      throw PlanError("parameter '" + P.name + "' takes the parameters' total past the planner's " +
+                      "limit of 2^62 bytes");
+    }
     if (P.side[kInfer].present && !P.side[kTrain].present) {
       throw PlanError("parameter '" + P.name +
                       "' is needed by the inference side but missing on the training side");
@@ -122,6 +129,27 @@ World::World(const SideInput& train, const SideInput& infer, int64_t bucket_byte
   }
   check_ranks();
   for (int64_t p = 0; p < static_cast<int64_t>(params_.size()); ++p) check_coverage(p);
+}
+
+int64_t World::check_size(const Param& P) {
+  // Elements, then bytes, each step checked against kMaxParamBytes before it can overflow.
+  int64_t numel = 1;
+  for (int d = 0; d < P.ndim; ++d) {
+    if (P.shape[d] != 0 && numel > kMaxParamBytes / P.shape[d]) numel = kMaxParamBytes + 1;
+    else numel *= P.shape[d];
+  }
+  int64_t bytes = 0;
+  for (int s = 0; s < 2; ++s) {
+    const SideParam& sp = P.side[s];
+    if (!sp.present) continue;
+    if (numel > kMaxParamBytes / sp.itemsize) {
+      throw PlanError("parameter '" + P.name + "' (" + side_name(s) + " side): global shape " +
+                      tuple_str(P.shape, P.ndim) + " of " + std::to_string(sp.itemsize) +
+                      "-byte elements exceeds the planner's limit of 2^48 bytes per parameter");
+    }
+    bytes = std::max(bytes, numel * sp.itemsize);
+  }
+  return bytes;
 }
 
 void World::ingest_defs(int s, const SideInput& in, const std::vector<int64_t>& row_param) {
@@ -233,6 +261,11 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
   expect_size(in.piece_off, off_at.back(), "piece_off");
   expect_size(in.piece_len, len_at.back(), "piece_len");
   expect_size(in.piece_loc, ploc_at.back(), "piece_loc");
+  const bool has_packed = !in.packed.empty();
+  if (has_packed) {
+    expect_size(in.packed_n, P, "packed_n");
+    expect_size(in.packed, P, "packed");
+  }
   const auto rule_at = prefix(in.nrules);
   const int64_t T = static_cast<int64_t>(defs_[s].size());
   rules_[s].reserve(rules_[s].size() + static_cast<size_t>(rule_at.back()));
@@ -282,21 +315,15 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
           in.dtype[row] != sp.dtype) {
         fail("conflicting duplicate entries (global shape or dtype differ)");
       }
-      for (int64_t i = piece_at[row]; i < piece_at[row + 1]; ++i) {
-        const int64_t rank = in.piece_rank[i];
-        const int64_t* off = in.piece_off.data() + off_at[i];
-        const int64_t* len = in.piece_len.data() + len_at[i];
-        const int64_t* loc = in.piece_loc.data() + ploc_at[i];
-        const int64_t nloc = in.piece_loc_n[i];
+      // One explicit piece: checked, and appended to recs unless empty.
+      auto add = [&](int64_t rank, const int64_t* off, const int64_t* len, const int64_t* loc,
+                     int64_t nloc) {
         auto who = [&] { return "piece of rank " + std::to_string(rank); };
-        if (in.piece_off_n[i] != nd || in.piece_len_n[i] != nd || (nloc != 0 && nloc != nd)) {
-          fail(who() + " has offsets/shape/local offset of the wrong length for ndim " +
-               std::to_string(nd));
-        }
         if (rank < 0 || rank > INT32_MAX) fail(who() + ": ranks must be in [0, 2^31)");
         bool empty = false;
         for (int d = 0; d < nd; ++d) {
-          if (off[d] < 0 || len[d] < 0 || off[d] + len[d] > shape[d] || (nloc && loc[d] < 0)) {
+          // len[d] > shape[d] - off[d], not off[d] + len[d] > shape[d]: no int64 overflow.
+          if (off[d] < 0 || len[d] < 0 || len[d] > shape[d] - off[d] || (nloc && loc[d] < 0)) {
             fail(who() + " at offset " + tuple_str(off, nd) + " shape " + tuple_str(len, nd) +
                  (nloc ? " local offset " + tuple_str(loc, nd) : "") +
                  " lies outside the global shape " + tuple_str(shape, nd) +
@@ -304,11 +331,39 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
           }
           empty |= len[d] == 0;
         }
-        if (empty) continue;
+        if (empty) return;
         recs.push_back(rank);
         recs.insert(recs.end(), off, off + nd);
         recs.insert(recs.end(), len, len + nd);
         for (int d = 0; d < nd; ++d) recs.push_back(nloc ? loc[d] : 0);
+      };
+      for (int64_t i = piece_at[row]; i < piece_at[row + 1]; ++i) {
+        const int64_t nloc = in.piece_loc_n[i];
+        if (in.piece_off_n[i] != nd || in.piece_len_n[i] != nd || (nloc != 0 && nloc != nd)) {
+          fail("piece of rank " + std::to_string(in.piece_rank[i]) +
+               " has offsets/shape/local offset of the wrong length for ndim " + std::to_string(nd));
+        }
+        add(in.piece_rank[i], in.piece_off.data() + off_at[i], in.piece_len.data() + len_at[i],
+            in.piece_loc.data() + ploc_at[i], nloc);
+      }
+      if (has_packed && in.packed[row]) {
+        // Fast path: a block of valid non-empty records is appended whole; otherwise `add` drops
+        // the empty ones and names the first bad one.
+        const int64_t* x0 = in.packed[row];
+        const int64_t n = in.packed_n[row];
+        bool clean = true;
+        for (const int64_t* x = x0; clean && x < x0 + n * stride; x += stride) {
+          clean = x[0] >= 0 && x[0] <= INT32_MAX;
+          for (int d = 0; clean && d < nd; ++d) {
+            const int64_t off = x[1 + d], len = x[1 + nd + d], loc = x[1 + 2 * nd + d];
+            clean = off >= 0 && len > 0 && len <= shape[d] - off && loc >= 0;
+          }
+        }
+        if (clean) {
+          recs.insert(recs.end(), x0, x0 + n * stride);
+        } else {
+          for (const int64_t* x = x0; x < x0 + n * stride; x += stride) add(x[0], x + 1, x + 1 + nd, x + 1 + 2 * nd, nd);
+        }
       }
       for (int64_t i = rule_at[row]; i < rule_at[row + 1]; ++i) {
         const int64_t t = in.rule_ref[i];
