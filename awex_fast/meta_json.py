@@ -21,6 +21,7 @@ from awex_fast.meta import (
     ShardRule,
     _gc_paused,
     _short,
+    merge_metas,
     validate_metas,
 )
 
@@ -204,9 +205,10 @@ def metas_from_json(
 ) -> list[ParameterMeta]:
     """Parse `metas_to_json` output. Raises `MetadataError` naming the defect for input that is
     not UTF-8, not JSON, of another format or version, or of the wrong shape or types (a JSON
-    ``true`` is not an integer), and for metadata `validate_metas` refuses (a name given twice,
-    an unknown dtype, a piece outside the global shape, two pieces of one rank overlapping;
-    ``validate=False`` skips those, for tools that inspect metadata as it was written).
+    ``true`` is not an integer), and for metadata `validate_metas` refuses once entries of one
+    name are merged (a name given with two shapes or dtypes, an unknown dtype, a piece outside
+    the global shape, two pieces of one rank overlapping; ``validate=False`` skips those, for
+    tools that inspect metadata as it was written).
     Parameters sharing a table rule share one `ShardRule` object."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
@@ -238,5 +240,8 @@ def metas_from_json(
     table = [_decode_rule(r, f"rules[{k}]") for k, r in enumerate(rules)]
     metas = [_decode_param(p, i, table) for i, p in enumerate(params)]
     if validate:
-        validate_metas(metas)
+        # Entries of one name (per-rank lists published unmerged) are checked merged, as the
+        # planner reads them; the list is returned as written.
+        names = {m.name for m in metas}
+        validate_metas(metas if len(names) == len(metas) else merge_metas([metas]))
     return metas

@@ -390,7 +390,10 @@ BAD_JSON = [
     (_doc(shards=[[2, [0, 0], [4, 2]], [2, [0, 2], [4, 2]]], rules=[]), "rank 2 holds overlap|local space"),
     (_doc(shards=[[2, [1, 0], [4, 4]]]), "parameter 'w': shards[0] of rank 2, box [1:5, 0:4]: outside"),
     (_doc(dtype="float7"), "parameter 'w': unknown dtype 'float7'"),
-    ({**_doc(), "params": [_doc()["params"][0]] * 2}, "parameter 'w' appears more than once"),
+    ({**_doc(), "params": [_doc()["params"][0], _doc(dtype="float16")["params"][0]]},
+     "parameter 'w': rank 0 reports dtype 'float32' but rank 0 reports 'float16'"),
+    ({**_doc(), "params": [_doc()["params"][0], _doc(shards=[[2, [0, 0], [2, 4]]], rules=[])["params"][0]]},
+     "parameter 'w': rank 2 holds overlapping pieces in global space"),
     (
         b'{"format":"awex_fast.metas","version":1,"rules":[],"params":[{"name":"w","shape":[NaN],"dtype":"x"}]}',
         "shape must be a list of integers",
