@@ -27,9 +27,12 @@ DESC_WORDS: int = _copy.DESC_WORDS
 MAX_DIMS: int = _copy.MAX_DIMS
 _SHAPE, _SSTRIDE, _DSTRIDE = 5, 5 + MAX_DIMS, 5 + 2 * MAX_DIMS
 
-# dtype code = kind | itemsize << 8 (csrc/copy/copy.h). Float kinds may be cast among each other;
-# every other dtype is copied bitwise and only to itself.
-_FLOAT_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# dtype code = kind | itemsize << 8 (csrc/copy/copy.h). The dtypes with a float kind may be cast
+# among each other; every other dtype is copied bitwise and only to itself. The list is the
+# native core's own (``CAST_DTYPES``, name -> kind), which the planner reads too.
+CAST_DTYPES: tuple[str, ...] = tuple(_copy.CAST_DTYPES)
+_FLOAT_KINDS = {getattr(torch, name): kind for name, kind in _copy.CAST_DTYPES.items()}
+_CASTS_AMONG = ", ".join(CAST_DTYPES)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -42,7 +45,7 @@ def check_dtype_pair(src: torch.dtype, dst: torch.dtype, what: str = "copy") -> 
     if src != dst and not (src in _FLOAT_KINDS and dst in _FLOAT_KINDS):
         raise ValueError(
             f"{what}: unsupported dtype pair {src} -> {dst} "
-            "(casts are among float32, bfloat16 and float16; other dtypes copy only to themselves)"
+            f"(casts are among {_CASTS_AMONG}; other dtypes copy only to themselves)"
         )
 
 
@@ -347,6 +350,7 @@ def num_threads() -> int:
 
 
 __all__ = [
+    "CAST_DTYPES",
     "CopyProgram",
     "check_dtype_pair",
     "checksum",

@@ -49,6 +49,7 @@ __all__ = [
     "PlanMismatchError",
     "WireBucket",
     "WireOp",
+    "check_local_tensors",
     "metadata_fingerprints",
     "torch_dtype",
     "wire_buckets",
@@ -166,6 +167,7 @@ class Executor:
             raise KeyError(
                 f"rank {self.rank}: the plan names tensors this rank does not have: {sorted(missing)[:5]}"
             )
+        check_local_tensors(buckets, self._tensors, self.rank)
         remote = [b for b in buckets if b.peer != self.rank]
         self._sends = messages_by_peer(
             (b for b in remote if b.role == "send"), self.message_bytes, self.solo_bytes
@@ -643,6 +645,36 @@ class Executor:
                         bucket=m.bucket,
                         version=version,
                     )
+
+
+def check_local_tensors(
+    buckets: Iterable[WireBucket], tensors: Mapping[str, torch.Tensor], rank: int
+) -> None:
+    """Raise ValueError, before any byte moves, unless every local tensor holds every box the
+    plan addresses in it (same number of dims, at least the extent the boxes need) and, on the
+    receiving side, has the dtype the metadata promised (the wire carries the receiver's dtype).
+    A tensor too small was sliced short without a word (wrong elements, or a gloo abort)."""
+    need: dict[str, list[int]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for b in buckets:
+        for op in b.ops:
+            ends = need.get(op.name)
+            if ends is None:
+                ends = need[op.name] = [0] * len(op.shape)
+            if len(ends) == len(op.shape):
+                ends[:] = map(max, ends, map(int.__add__, op.offset, op.shape))
+            if b.role == "recv":
+                dtypes[op.name] = op.wire_dtype
+    for name, ends in need.items():
+        t = tensors[name]
+        want = dtypes.get(name)
+        short = t.dim() != len(ends) or any(map(int.__lt__, t.shape, ends))
+        if short or (want is not None and t.dtype != want):
+            dtype = f" {str(want).removeprefix('torch.')}" if want is not None else ""
+            raise ValueError(
+                f"rank {rank}: parameter {name!r}: the plan needs a local{dtype} tensor of at least shape "
+                f"{tuple(ends)}, but this rank's is {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+            )
 
 
 def _round_robin(by_peer: Mapping[int, list[_Prepared]]) -> list[tuple[int, _Prepared]]:

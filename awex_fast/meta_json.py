@@ -21,6 +21,8 @@ from awex_fast.meta import (
     ShardRule,
     _gc_paused,
     _short,
+    merge_metas,
+    validate_metas,
 )
 
 # ---- JSON (de)serialisation ------------------------------------------------------------------
@@ -123,10 +125,13 @@ def _decode_ranks(enc: Any, expected: int, what: str) -> tuple[int, ...]:
                 continue
             if len(item) != 3 or not all(type(v) is int for v in item) or item[2] == 0:
                 raise MetadataError(f"{what}: range {_short(item)} must be [start, stop, step], step != 0")
-            rng = range(*item)
-            if len(out) + len(rng) > expected:
+            start, stop, step = item
+            # The length by arithmetic, not len(range(...)): a range longer than sys.maxsize
+            # (such as [0, 2**63, 1]) makes len() raise OverflowError.
+            count = max(0, (stop - start + step - (1 if step > 0 else -1)) // step)
+            if len(out) + count > expected:
                 raise MetadataError(f"{what} lists more ranks than the rule's grid needs ({expected})")
-            out.extend(rng)
+            out.extend(range(start, stop, step))
     if len(out) != expected:
         raise MetadataError(f"{what} lists {len(out)} ranks, the rule's grid needs {expected}")
     return tuple(out)
@@ -195,10 +200,16 @@ def _decode_param(p: Any, i: int, table: list[ShardRule]) -> ParameterMeta:
 
 
 @_gc_paused()
-def metas_from_json(data: bytes | bytearray | memoryview | str) -> list[ParameterMeta]:
+def metas_from_json(
+    data: bytes | bytearray | memoryview | str, *, validate: bool = True
+) -> list[ParameterMeta]:
     """Parse `metas_to_json` output. Raises `MetadataError` naming the defect for input that is
     not UTF-8, not JSON, of another format or version, or of the wrong shape or types (a JSON
-    ``true`` is not an integer). Parameters sharing a table rule share one `ShardRule` object."""
+    ``true`` is not an integer), and for metadata `validate_metas` refuses once entries of one
+    name are merged (a name given with two shapes or dtypes, an unknown dtype, a piece outside
+    the global shape, two pieces of one rank overlapping; ``validate=False`` skips those, for
+    tools that inspect metadata as it was written).
+    Parameters sharing a table rule share one `ShardRule` object."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
             text = bytes(data).decode("utf-8")
@@ -227,4 +238,10 @@ def metas_from_json(data: bytes | bytearray | memoryview | str) -> list[Paramete
     if type(rules) is not list or type(params) is not list:
         raise MetadataError("metas JSON 'rules' and 'params' must be lists")
     table = [_decode_rule(r, f"rules[{k}]") for k, r in enumerate(rules)]
-    return [_decode_param(p, i, table) for i, p in enumerate(params)]
+    metas = [_decode_param(p, i, table) for i, p in enumerate(params)]
+    if validate:
+        # Entries of one name (per-rank lists published unmerged) are checked merged, as the
+        # planner reads them; the list is returned as written.
+        names = {m.name for m in metas}
+        validate_metas(metas if len(names) == len(metas) else merge_metas([metas]))
+    return metas

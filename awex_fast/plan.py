@@ -34,6 +34,7 @@ The plan (see csrc/plan/solve.h for the details):
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,16 @@ from typing import Any, overload
 import numpy as np
 
 from awex_fast._native import native
-from awex_fast.meta import dtype_itemsize, dtype_name
+from awex_fast.meta import (
+    MetadataError,
+    ParameterMeta,
+    ShardMeta,
+    ShardRule,
+    dtype_itemsize,
+    dtype_name,
+    merge_metas,
+    validate_metas,
+)
 
 _plan = native().plan
 
@@ -55,6 +65,11 @@ DTYPES: tuple[str, ...] = (
 )  # fmt: skip
 _DTYPE_CODE: dict[str, int] = {n: i for i, n in enumerate(DTYPES)}
 _ITEMSIZES: list[int] = [dtype_itemsize(n) for n in DTYPES]
+# The casts the copy layer does, from its native list (csrc/copy/copy.h, kCastDtypes): any dtype
+# to itself (bitwise), and among the cast dtypes. [training dtype code, inference dtype code].
+_CAST_DTYPES: tuple[str, ...] = tuple(native().copy.CAST_DTYPES)
+_CAN_COPY = np.eye(len(DTYPES), dtype=bool)
+_CAN_COPY[np.ix_([_DTYPE_CODE[n] for n in _CAST_DTYPES], [_DTYPE_CODE[n] for n in _CAST_DTYPES])] = True
 
 PLANNER_VERSION: int = _plan.VERSION
 OP_ALIGN: int = _plan.OP_ALIGN
@@ -322,7 +337,9 @@ def build_plan(
     parts of at least this size (part of the digest, like ``bucket_bytes``). Raises `PlanError`
     naming the parameter for: an inference name the training side lacks, a global shape
     mismatch, a rank on both sides, a region no training piece covers, malformed pieces or rules,
-    an unknown dtype, or ``bucket_bytes`` below one element."""
+    two pieces of one rank that overlap (in global space or in its local tensor; the message
+    then names the side and `validate_metas`'s finding), an unknown dtype, a dtype pair the copy
+    layer cannot cast (`awex_fast.copy.CAST_DTYPES`), or ``bucket_bytes`` below one element."""
     bucket_bytes = int(bucket_bytes)
     t0 = time.perf_counter()
     train = train_metas if isinstance(train_metas, (list, tuple)) else list(train_metas)
@@ -331,7 +348,63 @@ def build_plan(
         _plan.World, train, infer, bucket_bytes, _DTYPE_CODE, _ITEMSIZES, _dtype_fallback,
         int(min_part_bytes),
     )
-    return Plan(world, bucket_bytes, time.perf_counter() - t0)
+    plan = Plan(world, bucket_bytes, 0.0)
+    _check_casts(plan)
+    # The native reader checked each piece alone (bounds, ranks, rule grids); pieces of one rank
+    # that overlap (two global boxes written to one local box, or one box held twice) are found
+    # here, before any rank builds its ops.
+    _check_pieces(train, "training")
+    _check_pieces(infer, "inference")
+    plan.build_time_s = time.perf_counter() - t0
+    return plan
+
+
+def _check_casts(plan: Plan) -> None:
+    """PlanError naming the first parameter whose training -> inference dtype pair the copy
+    layer cannot do (it would otherwise fail on the sender mid-update, its receiver waiting out
+    its timeout)."""
+    table = plan._table
+    planned = (table[:, 1] >= 0) & (table[:, 2] >= 0)
+    src, dst = table[planned, 1], table[planned, 2]
+    bad = np.flatnonzero(~_CAN_COPY[src, dst])
+    if bad.size:
+        i = int(np.flatnonzero(planned)[bad[0]])
+        a, b = DTYPES[table[i, 1]], DTYPES[table[i, 2]]
+        raise PlanError(
+            f"parameter {plan.names[i]!r}: the training side holds {a} and the inference side {b}, "
+            f"and the copy layer cannot cast {a} -> {b} (casts are among {', '.join(_CAST_DTYPES)}; "
+            f"other dtypes copy only to themselves); {bad.size} parameter(s) have such a pair"
+        )
+
+
+def _as_meta(m: Any) -> ParameterMeta:
+    """A duck-typed metadata object (read by the native planner already) as a `ParameterMeta`."""
+    if type(m) is ParameterMeta:
+        return m
+    shards = tuple(
+        ShardMeta(s.rank, s.global_offset, s.shape, getattr(s, "local_offset", None))
+        for s in getattr(m, "shards", ())
+    )
+    rules = tuple(
+        ShardRule(r.ranks, r.split_dims, r.num_chunks, r.replicas, getattr(r, "local_offset", None))
+        for r in getattr(m, "rules", ())
+    )
+    return ParameterMeta(str(m.name), m.global_shape, dtype_name(m.dtype), shards, rules)
+
+
+_NAME = operator.attrgetter("name")
+
+
+def _check_pieces(metas: Sequence[Any], side: str) -> None:
+    """`validate_metas` over one side as the planner reads it (entries of one name merged),
+    its `MetadataError` raised as a `PlanError` naming the side."""
+    try:
+        objs = metas if all(type(m) is ParameterMeta for m in metas) else [_as_meta(m) for m in metas]
+        if len(set(map(_NAME, objs))) != len(objs):
+            objs = merge_metas([objs])
+        validate_metas(objs)
+    except MetadataError as exc:
+        raise PlanError(f"{side} side: {exc}") from exc
 
 
 __all__ = [

@@ -238,11 +238,16 @@ def test_json_round_trip_and_format():
     metas = sample_metas()
     data = metas_to_json(metas)
     assert isinstance(data, bytes)
-    back = metas_from_json(data)
+    # "runs" lists its ranks twice per cell (rank 0 holds two replicas of cell 0): a codec case
+    # that validation refuses.
+    with pytest.raises(MetadataError, match="parameter 'runs': rank 0 holds overlapping pieces"):
+        metas_from_json(data)
+    back = metas_from_json(data, validate=False)
     assert back == metas
     assert metas_to_json(back) == data  # canonical: re-encoding gives the same bytes
-    assert metas_from_json(data.decode()) == metas
-    assert metas_from_json(bytearray(data)) == metas and metas_from_json(memoryview(data)) == metas
+    assert metas_from_json(data.decode(), validate=False) == metas
+    assert metas_from_json(bytearray(data), validate=False) == metas
+    assert metas_from_json(memoryview(data), validate=False) == metas
     doc = json.loads(data)
     assert doc["format"] == "awex_fast.metas" and doc["version"] == 1
     # equal rules are stored once and shared after decoding; ranges are [start, stop, step]
@@ -297,14 +302,15 @@ def param_metas(draw):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(param_metas(), max_size=5))
 def test_json_round_trip_property(metas):
+    # The codec alone: arbitrary metadata, most of which validate_metas refuses.
     data = metas_to_json(metas)
-    back = metas_from_json(data)
+    back = metas_from_json(data, validate=False)
     assert back == metas
     assert metas_to_json(back) == data
 
 
 def _doc(**param_overrides) -> dict:
-    param = {"name": "w", "shape": [4, 4], "dtype": "float32", "shards": [[0, [0, 0], [4, 4]]], "rules": [0]}
+    param = {"name": "w", "shape": [4, 4], "dtype": "float32", "shards": [[2, [0, 0], [4, 4]]], "rules": [0]}
     param.update(param_overrides)
     return {"format": "awex_fast.metas", "version": 1, "rules": [[[0, 1], [0], [2], 1]], "params": [param]}
 
@@ -376,6 +382,18 @@ BAD_JSON = [
     (_rule_doc([[[0, 1 << 30, 1]], [0, 1], [1 << 15, 1 << 15], 1]), "exceeds the limit"),
     (_rule_doc([[0, 1, 2, 3], [0, 0], [2, 2], 1]), "rules[0]: rule split_dims (0, 0) must be distinct"),
     (_rule_doc([[0, 1], [2], [2], 1]), "parameter 'w': rules[0] splits dims (2,)"),
+    # a range longer than sys.maxsize (len(range(...)) raised OverflowError)
+    (_rule_doc([[[0, 1 << 63, 1]], [0], [2], 1]), "rules[0] ranks lists more ranks than the rule's grid"),
+    (_rule_doc([[[1 << 62, -(1 << 62), -1]], [0], [2], 1]), "rules[0] ranks lists more ranks"),
+    # well-formed JSON, metadata validate_metas refuses
+    (_doc(shards=[[0, [0, 0], [4, 4]]]), "parameter 'w': rank 0 holds overlapping pieces in global space"),
+    (_doc(shards=[[2, [0, 0], [4, 2]], [2, [0, 2], [4, 2]]], rules=[]), "rank 2 holds overlap|local space"),
+    (_doc(shards=[[2, [1, 0], [4, 4]]]), "parameter 'w': shards[0] of rank 2, box [1:5, 0:4]: outside"),
+    (_doc(dtype="float7"), "parameter 'w': unknown dtype 'float7'"),
+    ({**_doc(), "params": [_doc()["params"][0], _doc(dtype="float16")["params"][0]]},
+     "parameter 'w': rank 0 reports dtype 'float32' but rank 0 reports 'float16'"),
+    ({**_doc(), "params": [_doc()["params"][0], _doc(shards=[[2, [0, 0], [2, 4]]], rules=[])["params"][0]]},
+     "parameter 'w': rank 2 holds overlapping pieces in global space"),
     (
         b'{"format":"awex_fast.metas","version":1,"rules":[],"params":[{"name":"w","shape":[NaN],"dtype":"x"}]}',
         "shape must be a list of integers",
@@ -394,7 +412,7 @@ def test_json_rejects(data, parts):
 def test_json_valid_doc_helper_is_valid():
     # the template the rejection cases mutate must itself decode, or they prove nothing
     (m,) = metas_from_json(json.dumps(_doc()).encode())
-    assert m.shards == (S(0, (0, 0), (4, 4)),) and m.rules == (R((0, 1), (0,), (2,)),)
+    assert m.shards == (S(2, (0, 0), (4, 4)),) and m.rules == (R((0, 1), (0,), (2,)),)
 
 
 def test_json_rejects_bad_arguments():

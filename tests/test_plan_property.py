@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_plan import check_exact_cover, check_simulated
 
-from awex_fast.meta import ParameterMeta, ShardMeta, ShardRule
-from awex_fast.plan import build_plan
+from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, ShardRule, metas_from_json, metas_to_json
+from awex_fast.plan import PlanError, build_plan
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -125,3 +125,69 @@ def test_random_layouts_are_order_independent(world, rnd):
     assert other.digest() == plan.digest()
     for r in plan.receivers[:3] + plan.senders[:3]:
         assert other.for_rank(r).ops.tolist() == plan.for_rank(r).ops.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile metadata (issue 22): any metadata either plans exactly or is refused by name
+
+
+def _mutate_shard(s, draw, ndim):
+    """A piece moved, grown, re-ranked or re-placed locally: often overlapping or out of bounds."""
+    kind = draw(st.sampled_from(["offset", "shape", "rank", "local"]))
+    d = draw(st.integers(0, ndim - 1))
+    delta = draw(st.integers(-2, 2))
+    bump = lambda t: tuple(v + delta if i == d else v for i, v in enumerate(t))  # noqa: E731
+    if kind == "offset":
+        return ShardMeta(s.rank, bump(s.global_offset), s.shape, s.local_offset)
+    if kind == "shape":
+        return ShardMeta(s.rank, s.global_offset, bump(s.shape), s.local_offset)
+    if kind == "rank":
+        return ShardMeta(s.rank + delta, s.global_offset, s.shape, s.local_offset)
+    return ShardMeta(s.rank, s.global_offset, s.shape, bump(s.local))
+
+
+@st.composite
+def hostile_worlds(draw):
+    """A random valid world (`worlds`) with a few random defects: pieces moved, grown, re-ranked,
+    re-placed or duplicated onto their own rank, dtypes swapped for ones with or without a cast."""
+    train, infer, bucket, min_part = draw(worlds())
+    sides = [list(train), list(infer)]
+    for _ in range(draw(st.integers(1, 3))):
+        side = sides[draw(st.integers(0, 1))]
+        k = draw(st.integers(0, len(side) - 1))
+        m = side[k]
+        what = draw(st.sampled_from(["mutate", "duplicate", "dtype"]))
+        shards = list(m.shards)
+        if what == "dtype":
+            # float64 has no cast to the others (the oracle fills receivers with NaN: floats only)
+            dtype = draw(st.sampled_from(["float32", "bfloat16", "float16", "float64"]))
+            side[k] = ParameterMeta(m.name, m.global_shape, dtype, m.shards, m.rules)
+            continue
+        if not shards:
+            shards = [p for p in m.pieces()]  # rules made explicit, so their pieces can be hurt
+            m = ParameterMeta(m.name, m.global_shape, m.dtype, (), ())
+        if not shards:
+            continue
+        i = draw(st.integers(0, len(shards) - 1))
+        try:
+            bad = _mutate_shard(shards[i], draw, len(m.global_shape))
+        except MetadataError:  # a negative extent is refused by ShardMeta itself
+            continue
+        shards = [*shards, bad] if what == "duplicate" else [*shards[:i], bad, *shards[i + 1:]]
+        side[k] = ParameterMeta(m.name, m.global_shape, m.dtype, tuple(shards), m.rules)
+    return sides[0], sides[1], bucket, min_part
+
+
+@settings(max_examples=1500, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_worlds())
+def test_any_metadata_plans_exactly_or_is_refused_by_name(world):
+    train, infer, bucket, min_part = world
+    try:
+        # through the wire format, as every rank receives it
+        train = metas_from_json(metas_to_json(train))
+        infer = metas_from_json(metas_to_json(infer))
+        plan = build_plan(train, infer, bucket_bytes=bucket, min_part_bytes=min_part)
+    except (MetadataError, PlanError) as exc:
+        assert "'p" in str(exc) or "rank" in str(exc), exc  # names the parameter (or the rank)
+        return
+    check_simulated(plan, train, infer)  # else: every inference element exact (global oracle)

@@ -44,6 +44,16 @@ AWEX_HD int code_kind(int64_t code) { return static_cast<int>(code & 0xff); }
 AWEX_HD int code_size(int64_t code) { return static_cast<int>((code >> 8) & 0xff); }
 AWEX_HD bool is_float_kind(int kind) { return kind == kF32 || kind == kBF16 || kind == kF16; }
 
+// The dtypes this core casts among, by torch name, with their kind: the one list both the
+// copy layer (awex_fast.copy, which codes dtypes) and the planner (which refuses at plan time a
+// dtype pair no copy can do) read, exposed to Python as copy.CAST_DTYPES. Every other dtype is
+// copied bitwise, and only to itself.
+struct CastDtype {
+  const char* name;
+  Kind kind;
+};
+constexpr CastDtype kCastDtypes[] = {{"float32", kF32}, {"bfloat16", kBF16}, {"float16", kF16}};
+
 // One box after validation and dimension coalescing (what both the CPU and CUDA paths execute).
 // [ndim] shape / strides, innermost last; strides in units of `unit` bytes when raw (same-dtype
 // copies are widened to the largest aligned unit), in elements when casting.

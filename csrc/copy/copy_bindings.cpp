@@ -87,6 +87,9 @@ void register_apis(py::module_& m) {
   auto sub = m.def_submodule("copy", "batched strided copy (see csrc/copy/copy.h)");
   sub.attr("DESC_WORDS") = kDescWords;
   sub.attr("MAX_DIMS") = kMaxDims;
+  py::dict cast_dtypes;  // torch dtype name -> kind, for every dtype the copies cast among
+  for (const CastDtype& c : kCastDtypes) cast_dtypes[c.name] = static_cast<int>(c.kind);
+  sub.attr("CAST_DTYPES") = cast_dtypes;
   sub.def("copy_boxes", &copy_boxes, py::arg("desc"), py::arg("device") = -1,
           py::arg("stream") = 0, py::arg("streaming") = false,
           "Copy every box of an int64 [n, DESC_WORDS] descriptor array; device -1 is the CPU. "
