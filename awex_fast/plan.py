@@ -331,6 +331,7 @@ def build_plan(
     bucket_bytes: int = 256 << 20,
     *,
     min_part_bytes: int = MIN_PART_BYTES,
+    check_casts: bool = True,
 ) -> Plan:
     """Validate and canonicalise both sides' metadata (ranks already transfer ranks) and return
     a `Plan`. ``min_part_bytes``: a region several training replicas hold is split among them in
@@ -339,7 +340,9 @@ def build_plan(
     mismatch, a rank on both sides, a region no training piece covers, malformed pieces or rules,
     two pieces of one rank that overlap (in global space or in its local tensor; the message
     then names the side and `validate_metas`'s finding), an unknown dtype, a dtype pair the copy
-    layer cannot cast (`awex_fast.copy.CAST_DTYPES`), or ``bucket_bytes`` below one element."""
+    layer cannot cast (`awex_fast.copy.CAST_DTYPES`), or ``bucket_bytes`` below one element.
+    ``check_casts=False`` skips only the cast check, for plans that are studied, never executed
+    (``awex-fast plan`` projecting an FP8 inference layout; see `unsupported_casts`)."""
     bucket_bytes = int(bucket_bytes)
     t0 = time.perf_counter()
     train = train_metas if isinstance(train_metas, (list, tuple)) else list(train_metas)
@@ -349,7 +352,8 @@ def build_plan(
         int(min_part_bytes),
     )
     plan = Plan(world, bucket_bytes, 0.0)
-    _check_casts(plan)
+    if check_casts:
+        _check_casts(plan)
     # The native reader checked each piece alone (bounds, ranks, rule grids); pieces of one rank
     # that overlap (two global boxes written to one local box, or one box held twice) are found
     # here, before any rank builds its ops.
@@ -357,6 +361,16 @@ def build_plan(
     _check_pieces(infer, "inference")
     plan.build_time_s = time.perf_counter() - t0
     return plan
+
+
+def unsupported_casts(plan: Plan) -> str | None:
+    """The `PlanError` message `build_plan` gives for ``plan``'s first dtype pair the copy layer
+    cannot cast, or None when it can do every pair."""
+    try:
+        _check_casts(plan)
+    except PlanError as exc:
+        return str(exc)
+    return None
 
 
 def _check_casts(plan: Plan) -> None:
@@ -421,4 +435,5 @@ __all__ = [
     "PlanError",
     "RankPlan",
     "build_plan",
+    "unsupported_casts",
 ]
