@@ -136,7 +136,7 @@ def reap_orphans(prefix: str, min_age_s: float) -> list[str]:
     except FileNotFoundError:
         return reaped
     for name in names:
-        found = _OWNER_PID.search(name[len(prefix):])
+        found = _OWNER_PID.search(name)
         if found is None or pid_alive(int(found.group(1))):
             continue
         path = os.path.join(SHM_DIR, name)

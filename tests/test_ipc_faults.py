@@ -110,6 +110,36 @@ def _fresh_group_reaps(token: str) -> list[str]:
     return sorted(n.name for n in SHM.iterdir() if token in n.name)
 
 
+def _exited_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_reaper_spares_segments_whose_owner_lives_or_still_holds_the_lock():
+    from awex_fast.colocate import SharedSegment, reap_orphans
+
+    prefix = f"awex_reaptest_{os.getpid()}_"
+    dead = _exited_pid()
+    # the owner's pid is not seen here but its lock is held (an owner in another PID namespace)
+    held = SharedSegment(f"{prefix}p{dead}_held", 4096, create=True, owner_lock=True)
+    # the owner runs (this process), lock or not
+    mine = SharedSegment(f"{prefix}p{os.getpid()}_mine", 4096, create=True)
+    # gone: a dead owner's segment, never locked; and one too young to judge
+    orphan = SHM / f"{prefix}p{dead}_orphan"
+    orphan.write_bytes(b"x")
+    try:
+        assert reap_orphans(prefix, min_age_s=60.0) == []  # everything is younger than that
+        assert reap_orphans(prefix, min_age_s=0.0) == [orphan.name]
+        assert {n.name for n in SHM.iterdir() if n.name.startswith(prefix)} == {held.name, mine.name}
+        held.unlink()  # the owner lock goes with the name
+        assert not Path(held.path).exists()
+    finally:
+        held.unlink()
+        mine.unlink()
+        orphan.unlink(missing_ok=True)
+
+
 def test_rank_killed_during_init_is_named_and_its_doorbell_reaped(tmp_path):
     port = free_port()
     before = {n.name for n in SHM.iterdir()}
