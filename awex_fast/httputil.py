@@ -34,6 +34,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -134,8 +135,8 @@ def check_bearer(request: web.Request, expected_key: str) -> None:
     token, 403 when the token is wrong. The token is compared with ``hmac.compare_digest``.
     ``expected_key`` must be non-empty: an empty key would make every request authorised.
     """
-    if not expected_key:
-        raise ValueError("check_bearer: expected_key is empty; refusing to authorise every request")
+    if not expected_key or not expected_key.strip():
+        raise ValueError("check_bearer: expected_key is blank; refusing to authorise every request")
     challenge = {"WWW-Authenticate": 'Bearer realm="awex_fast"'}
     header = request.headers.get("Authorization")
     if header is None or not header.strip():
@@ -152,6 +153,13 @@ def check_bearer(request: web.Request, expected_key: str) -> None:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf, which no JSON answer can carry
+        raise ValueError(f"number {text[:40]} is out of the float64 range")
+    return value
 
 
 async def read_json_body(
@@ -177,9 +185,11 @@ async def read_json_body(
     if not buf:
         raise json_error(400, "empty request body; expected a JSON document")
     try:
-        body = json.loads(buf, parse_constant=_reject_constant)
+        body = json.loads(buf, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise json_error(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise json_error(400, "malformed JSON body: nested too deeply") from None
     fields = list(required_fields)
     if fields:
         if not isinstance(body, dict):

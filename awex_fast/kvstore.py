@@ -233,8 +233,8 @@ def add_kv_routes(
     """Add the ``/weight_meta/...`` routes (see the module docstring) backed by ``store`` to
     ``app``, so a gateway can serve the KV store from its own app. ``/health`` is not added.
     Add :func:`awex_fast.httputil.json_error_middleware` to ``app`` for JSON 404/405 answers."""
-    if not admin_api_key:
-        raise ValueError("add_kv_routes: admin_api_key is empty; writes would be unauthenticated")
+    if not admin_api_key or not admin_api_key.strip():
+        raise ValueError("add_kv_routes: admin_api_key is blank; no client could authenticate")
     if max_body_bytes <= 0:
         raise ValueError(f"add_kv_routes: max_body_bytes must be positive, got {max_body_bytes}")
 
@@ -260,8 +260,12 @@ def add_kv_routes(
         check_bearer(request, admin_api_key)
         pair, key = names(request)
         body = await read_json_body(request, max_body_bytes, required_fields=("value",))
-        # read_json_body rejected NaN/Infinity, so the re-encoding cannot fail.
-        store.put_json(pair, key, _json_bytes(body["value"], what=f"value for key {key!r}"))
+        # read_json_body rejected NaN/Infinity/1e400; only a depth near the limit may remain
+        try:
+            encoded = _json_bytes(body["value"], what=f"value for key {key!r}")
+        except RecursionError:
+            raise json_error(400, f"value for key {key!r} is nested too deeply") from None
+        store.put_json(pair, key, encoded)
         return json_answer(_OK)
 
     async def delete_value(request: web.Request) -> web.Response:
@@ -325,8 +329,9 @@ class KVStoreServer:
     ) -> None:
         """Configure the server; nothing listens until :meth:`start` / :meth:`astart`."""
         key = _resolve_admin_key(admin_api_key)
-        if not key:
-            raise ValueError(f"KVStoreServer: admin_api_key is required (pass it or set {ADMIN_KEY_ENV})")
+        if not key or not key.strip():  # a blank key could never authenticate (tokens are stripped)
+            raise ValueError(f"KVStoreServer: a non-blank admin_api_key is required (pass it or set "
+                             f"{ADMIN_KEY_ENV}), got {key!r}")
         if max_body_bytes <= 0:
             raise ValueError(f"KVStoreServer: max_body_bytes must be positive, got {max_body_bytes}")
         self.host = host

@@ -234,6 +234,9 @@ def test_server_refuses_to_start_without_a_key(monkeypatch):
         KVStoreServer()
     with pytest.raises(ValueError, match="admin_api_key"):
         KVStoreServer(admin_api_key="")
+    for blank in (" ", "\t\n"):  # nothing could authenticate: bearer tokens are stripped
+        with pytest.raises(ValueError, match="admin_api_key"):
+            KVStoreServer(admin_api_key=blank)
 
 
 # --- body limits and malformed bodies ---------------------------------------------------------------
@@ -266,6 +269,8 @@ def test_oversized_body_is_413(server, kv, pair):
         (b"[1, 2]", "JSON object"),
         (b'{"val": 1}', "'value'"),
         (b'{"value": NaN}', "NaN"),
+        (b'{"value": 1e400}', "float64 range"),  # parses to inf: was a 500
+        (b'{"value": ' + b"[" * 1500 + b"]" * 1500 + b"}", "nested too deeply"),  # was a 500
     ],
 )
 def test_malformed_body_is_400(server, kv, pair, body, needle):
