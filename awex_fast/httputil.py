@@ -177,11 +177,18 @@ async def read_json_body(
         raise json_error(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
                          limit_bytes=max_bytes)
     buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > max_bytes:
-            raise json_error(413, f"request body exceeds the limit of {max_bytes} bytes "
-                                  f"(read {len(buf)} bytes so far)", limit_bytes=max_bytes)
+    try:
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > max_bytes:
+                raise json_error(413, f"request body exceeds the limit of {max_bytes} bytes "
+                                      f"(read {len(buf)} bytes so far)", limit_bytes=max_bytes)
+    except (ConnectionError, aiohttp.ClientPayloadError) as exc:
+        # The client went away mid-body: one short line, no traceback (nothing is wrong here);
+        # the 400 answer finds no one to read it, which aiohttp ignores quietly.
+        logger.info("client %s left during the body of %s %s after %d bytes (%s)",
+                    request.remote, request.method, request.path, len(buf), type(exc).__name__)
+        raise json_error(400, f"client left during the request body: {exc}") from None
     if not buf:
         raise json_error(400, "empty request body; expected a JSON document")
     try:

@@ -12,6 +12,7 @@ import ast
 import asyncio
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -528,3 +529,20 @@ def test_module_never_uses_pickle(module):
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__":
             found.append("__import__")
     assert not found, f"{module} touches {found}"
+
+
+def test_client_leaving_mid_body_logs_one_short_line(server, pair, caplog):
+    caplog.set_level(logging.DEBUG)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(f"PUT /weight_meta/{pair}/k HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"value\":".encode())
+        time.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while not any("left during the body" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.05)
+    time.sleep(0.3)  # anything else the server would log about it
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    assert noisy == [], [r.getMessage() for r in noisy]  # was a 1.2 kB "unhandled error" traceback
+    (line,) = [r.getMessage() for r in caplog.records if "left during the body" in r.getMessage()]
+    assert len(line) < 200 and pair in line
