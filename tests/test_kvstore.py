@@ -32,6 +32,7 @@ from awex_fast.kvstore import (
     KVAuthError,
     KVKeyError,
     KVRequestError,
+    KVStore,
     KVStoreClient,
     KVStoreError,
     KVStoreServer,
@@ -546,3 +547,19 @@ def test_client_leaving_mid_body_logs_one_short_line(server, pair, caplog):
     assert noisy == [], [r.getMessage() for r in noisy]  # was a 1.2 kB "unhandled error" traceback
     (line,) = [r.getMessage() for r in caplog.records if "left during the body" in r.getMessage()]
     assert len(line) < 200 and pair in line
+
+
+def test_key_count_and_total_bytes_are_capped():
+    with KVStoreServer(admin_api_key=KEY, store=KVStore(max_keys=2, max_total_bytes=200)) as srv:
+        put = lambda key, body: raw(srv.port, "PUT", f"/weight_meta/p/{key}", body, AUTH)  # noqa: E731
+        assert put("a", b'{"value": 1}')[0] == 200
+        assert put("set/s", b'{"value": "m"}')[0] == 200
+        status, answer = put("b", b'{"value": 2}')  # a third key
+        assert status == 413 and answer["store_full"] and "limit of 2 keys" in answer["error"], answer
+        assert put("a", b'{"value": 3}')[0] == 200  # an overwrite is no new key
+        status, answer = put("a", json.dumps({"value": "x" * 300}).encode())
+        assert status == 413 and "limit of 200 bytes" in answer["error"], answer
+        assert raw(srv.port, "DELETE", "/weight_meta/p/a", None, AUTH)[0] == 200
+        assert put("b", b'{"value": 2}')[0] == 200  # the delete made room
+    with pytest.raises(ValueError, match="max_keys"):
+        KVStore(max_keys=0)
