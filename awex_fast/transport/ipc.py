@@ -225,13 +225,13 @@ class IpcTransferGroup:
         self._channels: dict[tuple[str, int, str], Channel] = {}
         self._streams: dict[tuple[str, int], deque[_Stream]] = {}
         self._next_chunk: dict[tuple[str, int], int] = {}
+        self._pids: dict[int, int] = {}  # rank -> pid, once the rank joined
+        self._peer_bells: dict[int, SharedSegment] = {}
         reap_orphans(PREFIX, _REAP_AGE_S)  # what killed groups left behind (module docstring)
         if rank == 0:
             self.store.set("ipc/token", secrets.token_hex(6))
         self._await_keys({0: "ipc/token"}, "publish the group's token")
         self._token = self.store.get("ipc/token").decode()
-        self._pids: dict[int, int] = {}
-        self._peer_bells: dict[int, SharedSegment] = {}
         self._bell = self._segment("bell", str(rank), 4096)
         try:
             self.store.set(f"ipc/rank{rank}", json.dumps({"pid": os.getpid(), "bell": self._bell.name}))
