@@ -41,11 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import DistError
+from torch.distributed import DistError, DistStoreError
 
 from awex_fast._native import native
 from awex_fast.colocate import ColocateError, SharedSegment, pid_alive, reap_orphans
-from awex_fast.transport.base import check_peer, make_store
+from awex_fast.transport.base import check_peer, make_store, timedelta
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
 _CLOSED_AT = 64  # byte offset, in a rank's doorbell segment, of its "group closed" word
@@ -56,7 +56,7 @@ CHUNK_BYTES = 4 << 20  # slot size of the isend/irecv channel
 CHUNK_SLOTS = 4
 PREFIX = "awex_ipc_"  # every segment of this backend: /dev/shm/awex_ipc_<token>_p<owner pid>_...
 _REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.colocate.reap_orphans)
-_INIT_POLL_S = 0.02  # how often init looks at the store and at the pids of ranks it waits for
+_INIT_POLL_S = 0.1  # how often init looks at the pids of the ranks it waits for
 
 
 def _page_round(n: int) -> int:
@@ -274,14 +274,20 @@ class IpcTransferGroup:
         missing = dict(keys)
         while True:
             try:
+                # a blocking wait (answered the moment the keys appear, so a rank that then exits
+                # at once, taking the store with it, is not missed), in slices between checks
+                self.store.wait(list(missing.values()), timedelta(_INIT_POLL_S))
+                return
+            except DistStoreError:  # this slice ran out
+                pass
+            except DistError as exc:  # the store lives in rank 0's process
+                raise self._store_lost(missing, what, exc) from exc
+            try:
                 missing = {r: k for r, k in missing.items() if not self.store.check([k])}
                 if missing:
                     self._raise_if_failed()
-            except DistError as exc:  # the store lives in rank 0's process
-                raise RuntimeError(
-                    f"ipc: rank {self.rank} lost the group's rendezvous store (hosted by rank 0) while "
-                    f"waiting for rank(s) {sorted(missing)} to {what}: {exc}"
-                ) from exc
+            except DistError as exc:
+                raise self._store_lost(missing, what, exc) from exc
             if not missing:
                 return
             dead = [r for r in missing if r in self._pids and not pid_alive(self._pids[r])]
@@ -297,6 +303,12 @@ class IpcTransferGroup:
                     f"(init_transfer_group on rank {self.rank})"
                 )
             time.sleep(_INIT_POLL_S)
+
+    def _store_lost(self, missing: dict[int, str], what: str, exc: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"ipc: rank {self.rank} lost the group's rendezvous store (hosted by rank 0) while "
+            f"waiting for rank(s) {sorted(missing)} to {what}: {exc}"
+        )
 
     def _join_peer(self, peer: int) -> None:
         key = f"ipc/rank{peer}"
