@@ -44,9 +44,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import fcntl
 import itertools
 import mmap
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -96,9 +98,63 @@ _SEGMENTS: weakref.WeakValueDictionary[int, SharedSegment] = weakref.WeakValueDi
 _SEGMENTS_LOCK = threading.Lock()
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str, lock_fd: int | None = None) -> None:
+    """Remove ``path`` if it exists, then drop the owner lock held on it (if any)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+    if lock_fd is not None:
+        os.close(lock_fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, killed but not yet reaped by its parent, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # cannot tell: let the caller's timeout decide
+    return state not in (b"Z", b"X")
+
+
+_OWNER_PID = re.compile(r"_p(\d+)_")
+
+
+def reap_orphans(prefix: str, min_age_s: float) -> list[str]:
+    """Unlink every segment ``/dev/shm/<prefix>*`` whose owner is gone; returns their names.
+
+    For segments made with ``owner_lock`` and named ``..._p<owner pid>_...``. One is an orphan
+    when its owner pid does not run here, nobody holds its owner lock (the kernel released it
+    when the owner died: this protects a live owner in another PID namespace that shares
+    /dev/shm), and it is at least ``min_age_s`` old (which covers the instant between a
+    creator's ``open`` and its ``flock``). Names without an owner pid are left alone.
+    """
+    reaped = []
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return reaped
+    for name in names:
+        found = _OWNER_PID.search(name)
+        if found is None or pid_alive(int(found.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone already, or not ours to open
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_ctime < min_age_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            reaped.append(name)
+        except OSError:  # the lock is held (its owner lives) or another reaper was first
+            continue
+        finally:
+            os.close(fd)
+    return reaped
 
 
 class SharedSegment:
@@ -106,12 +162,15 @@ class SharedSegment:
 
     ``create=True`` makes a new segment (``name`` must not exist) and unlinks it when the object
     is collected or the process exits normally (a killed process leaves /dev/shm/<name> behind).
+    With ``owner_lock`` the creator also holds a shared ``flock`` on the file until it unlinks
+    it: the kernel drops the lock when the process dies, however it dies, so `reap_orphans`
+    can tell a segment whose owner is gone from one that is in use (across PID namespaces too).
     ``tensor`` is a uint8 tensor over the whole mapping. Tensors made from it point into the
     mapping: keep the segment alive while they are used (the mapping is never unmapped while this
     object lives).
     """
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, owner_lock: bool = False) -> None:
         if not name or "/" in name:
             raise ValueError(f"shared segment name {name!r} must be non-empty and contain no '/'")
         if size < 1:
@@ -125,14 +184,18 @@ class SharedSegment:
             raise ColocateError(
                 f"shared segment {name!r} does not exist (was it released or unlinked?)"
             ) from None
+        lock_fd = None
         try:
+            if create and owner_lock:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # first thing after creation: see reap_orphans
+                lock_fd, fd = fd, os.dup(fd)
             held = self.size if create else os.fstat(fd).st_size
             if create:
                 os.ftruncate(fd, self.size)
             self._mmap = mmap.mmap(fd, self.size) if held >= self.size else None
         except BaseException:
             if create:
-                _unlink_quietly(self.path)
+                _unlink_quietly(self.path, lock_fd)
             raise
         finally:
             os.close(fd)
@@ -140,7 +203,7 @@ class SharedSegment:
             raise ColocateError(f"shared segment {name!r} holds {held} bytes, the handle says {self.size}")
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.base = self.tensor.data_ptr()
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path) if create else None
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path, lock_fd) if create else None
         with _SEGMENTS_LOCK:
             _SEGMENTS[self.base] = self
 
@@ -773,4 +836,4 @@ class MemoryTags:
 
 __all__ = ["HANDLES_FORMAT", "ColocateError", "ColocateReceiver", "ColocateSender", "OffloadStore",
            "SharedSegment", "build_handles", "create_segment", "done_key", "find_segment", "open_segment",
-           "plan_boxes", "rss_bytes", "share_tensors", "weights_key"]
+           "pid_alive", "plan_boxes", "reap_orphans", "rss_bytes", "share_tensors", "weights_key"]

@@ -34,6 +34,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -134,8 +135,8 @@ def check_bearer(request: web.Request, expected_key: str) -> None:
     token, 403 when the token is wrong. The token is compared with ``hmac.compare_digest``.
     ``expected_key`` must be non-empty: an empty key would make every request authorised.
     """
-    if not expected_key:
-        raise ValueError("check_bearer: expected_key is empty; refusing to authorise every request")
+    if not expected_key or not expected_key.strip():
+        raise ValueError("check_bearer: expected_key is blank; refusing to authorise every request")
     challenge = {"WWW-Authenticate": 'Bearer realm="awex_fast"'}
     header = request.headers.get("Authorization")
     if header is None or not header.strip():
@@ -154,6 +155,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf, which no JSON answer can carry
+        raise ValueError(f"number {text[:40]} is out of the float64 range")
+    return value
+
+
 async def read_json_body(
     request: web.Request, max_bytes: int, *, required_fields: Iterable[str] = ()
 ) -> Any:
@@ -169,17 +177,26 @@ async def read_json_body(
         raise json_error(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
                          limit_bytes=max_bytes)
     buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > max_bytes:
-            raise json_error(413, f"request body exceeds the limit of {max_bytes} bytes "
-                                  f"(read {len(buf)} bytes so far)", limit_bytes=max_bytes)
+    try:
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > max_bytes:
+                raise json_error(413, f"request body exceeds the limit of {max_bytes} bytes "
+                                      f"(read {len(buf)} bytes so far)", limit_bytes=max_bytes)
+    except (ConnectionError, aiohttp.ClientPayloadError) as exc:
+        # The client went away mid-body: one short line, no traceback (nothing is wrong here);
+        # the 400 answer finds no one to read it, which aiohttp ignores quietly.
+        logger.info("client %s left during the body of %s %s after %d bytes (%s)",
+                    request.remote, request.method, request.path, len(buf), type(exc).__name__)
+        raise json_error(400, f"client left during the request body: {exc}") from None
     if not buf:
         raise json_error(400, "empty request body; expected a JSON document")
     try:
-        body = json.loads(buf, parse_constant=_reject_constant)
+        body = json.loads(buf, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise json_error(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise json_error(400, "malformed JSON body: nested too deeply") from None
     fields = list(required_fields)
     if fields:
         if not isinstance(body, dict):

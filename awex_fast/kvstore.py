@@ -78,6 +78,7 @@ __all__ = [
     "KVStore",
     "KVStoreClient",
     "KVStoreError",
+    "KVStoreFull",
     "KVStoreServer",
     "KVTimeoutError",
     "KVUnavailableError",
@@ -89,6 +90,12 @@ logger = logging.getLogger(__name__)
 
 ADMIN_KEY_ENV = "AWEX_FAST_ADMIN_KEY"
 DEFAULT_MAX_BODY_BYTES = 256 << 20
+DEFAULT_MAX_KEYS = 100_000  # values and sets together, over every pair
+DEFAULT_MAX_TOTAL_BYTES = 4 << 30  # encoded values, set members and key names together
+
+
+class KVStoreFull(Exception):
+    """A write would take the store past its key-count or total-byte cap (HTTP 413)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,11 +167,29 @@ class KVStore:
     takes the lock; any number of threads (and the server's loop) may call concurrently.
     """
 
-    def __init__(self) -> None:
-        """Create an empty store."""
+    def __init__(
+        self, max_keys: int = DEFAULT_MAX_KEYS, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+    ) -> None:
+        """Create an empty store holding at most ``max_keys`` keys (values and sets) and
+        ``max_total_bytes`` (encoded values plus the characters of names and members); a write past
+        either raises `KVStoreFull`."""
+        if max_keys < 1 or max_total_bytes < 1:
+            raise ValueError(f"KVStore: max_keys ({max_keys}) and max_total_bytes ({max_total_bytes}) "
+                             "must be positive")
+        self.max_keys, self.max_total_bytes = int(max_keys), int(max_total_bytes)
         self._lock = threading.Lock()
         self._values: dict[tuple[str, str], bytes] = {}
         self._sets: dict[tuple[str, str], set[str]] = {}
+        self._bytes = 0  # what the caps count; updated under the lock
+
+    def _admit(self, new_key: bool, grow: int) -> None:
+        """Raise `KVStoreFull` unless one more key (when ``new_key``) and ``grow`` bytes fit."""
+        keys = len(self._values) + len(self._sets) + new_key
+        if keys > self.max_keys:
+            raise KVStoreFull(f"the store holds its limit of {self.max_keys} keys")
+        if self._bytes + grow > self.max_total_bytes:
+            raise KVStoreFull(f"the store would hold {self._bytes + grow} bytes, over its limit of "
+                              f"{self.max_total_bytes} bytes")
 
     def get_json(self, pair: str, key: str) -> bytes | None:
         """The JSON encoding of the value at ``pair/key``, or None when absent."""
@@ -172,9 +197,15 @@ class KVStore:
             return self._values.get((pair, key))
 
     def put_json(self, pair: str, key: str, encoded: bytes) -> None:
-        """Store an already JSON-encoded value (the caller vouches that it is valid JSON)."""
+        """Store an already JSON-encoded value (the caller vouches that it is valid JSON);
+        `KVStoreFull` when it does not fit the caps."""
         with self._lock:
+            old = self._values.get((pair, key))
+            size = len(pair) + len(key) + len(encoded)
+            grow = size - (0 if old is None else len(pair) + len(key) + len(old))
+            self._admit(old is None, grow)
             self._values[(pair, key)] = encoded
+            self._bytes += grow
 
     def get(self, pair: str, key: str) -> Any:
         """The value at ``pair/key``; ``KeyError`` naming the key when absent."""
@@ -190,15 +221,22 @@ class KVStore:
     def delete(self, pair: str, key: str) -> bool:
         """Remove the value at ``pair/key``; True if it existed. Sets are untouched."""
         with self._lock:
-            return self._values.pop((pair, key), None) is not None
+            old = self._values.pop((pair, key), None)
+            if old is not None:
+                self._bytes -= len(pair) + len(key) + len(old)
+            return old is not None
 
     def add_to_set(self, pair: str, key: str, member: str) -> bool:
         """Add ``member`` to the set ``pair/key``; True if it was not there yet."""
         with self._lock:
-            members = self._sets.setdefault((pair, key), set())
-            before = len(members)
-            members.add(member)
-            return len(members) != before
+            members = self._sets.get((pair, key))
+            if members is not None and member in members:
+                return False
+            grow = len(member) + (0 if members is not None else len(pair) + len(key))
+            self._admit(members is None, grow)
+            self._sets.setdefault((pair, key), set()).add(member)
+            self._bytes += grow
+            return True
 
     def set_size(self, pair: str, key: str) -> int:
         """Number of members of the set ``pair/key`` (0 when it does not exist)."""
@@ -214,9 +252,9 @@ class KVStore:
         """Drop every value and set of ``pair`` (when a pair disconnects)."""
         with self._lock:
             for entry in [e for e in self._values if e[0] == pair]:
-                del self._values[entry]
+                self._bytes -= len(pair) + len(entry[1]) + len(self._values.pop(entry))
             for entry in [e for e in self._sets if e[0] == pair]:
-                del self._sets[entry]
+                self._bytes -= len(pair) + len(entry[1]) + sum(map(len, self._sets.pop(entry)))
 
 
 _OK = b'{"status":"ok"}'
@@ -233,8 +271,8 @@ def add_kv_routes(
     """Add the ``/weight_meta/...`` routes (see the module docstring) backed by ``store`` to
     ``app``, so a gateway can serve the KV store from its own app. ``/health`` is not added.
     Add :func:`awex_fast.httputil.json_error_middleware` to ``app`` for JSON 404/405 answers."""
-    if not admin_api_key:
-        raise ValueError("add_kv_routes: admin_api_key is empty; writes would be unauthenticated")
+    if not admin_api_key or not admin_api_key.strip():
+        raise ValueError("add_kv_routes: admin_api_key is blank; no client could authenticate")
     if max_body_bytes <= 0:
         raise ValueError(f"add_kv_routes: max_body_bytes must be positive, got {max_body_bytes}")
 
@@ -260,8 +298,15 @@ def add_kv_routes(
         check_bearer(request, admin_api_key)
         pair, key = names(request)
         body = await read_json_body(request, max_body_bytes, required_fields=("value",))
-        # read_json_body rejected NaN/Infinity, so the re-encoding cannot fail.
-        store.put_json(pair, key, _json_bytes(body["value"], what=f"value for key {key!r}"))
+        # read_json_body rejected NaN/Infinity/1e400; only a depth near the limit may remain
+        try:
+            encoded = _json_bytes(body["value"], what=f"value for key {key!r}")
+        except RecursionError:
+            raise json_error(400, f"value for key {key!r} is nested too deeply") from None
+        try:
+            store.put_json(pair, key, encoded)
+        except KVStoreFull as exc:
+            raise json_error(413, f"key {key!r} of pair {pair!r} refused: {exc}", store_full=True) from None
         return json_answer(_OK)
 
     async def delete_value(request: web.Request) -> web.Response:
@@ -278,7 +323,10 @@ def add_kv_routes(
         if not isinstance(member, str):
             raise json_error(400, f"set member for key {key!r} must be a JSON string, "
                                   f"got a JSON {type(member).__name__}")
-        added = store.add_to_set(pair, key, member)
+        try:
+            added = store.add_to_set(pair, key, member)
+        except KVStoreFull as exc:
+            raise json_error(413, f"set {key!r} of pair {pair!r} refused: {exc}", store_full=True) from None
         return json_answer(b'{"status":"ok","added":' + (b"true" if added else b"false") + b"}")
 
     async def set_size(request: web.Request) -> web.Response:
@@ -325,8 +373,9 @@ class KVStoreServer:
     ) -> None:
         """Configure the server; nothing listens until :meth:`start` / :meth:`astart`."""
         key = _resolve_admin_key(admin_api_key)
-        if not key:
-            raise ValueError(f"KVStoreServer: admin_api_key is required (pass it or set {ADMIN_KEY_ENV})")
+        if not key or not key.strip():  # a blank key could never authenticate (tokens are stripped)
+            raise ValueError(f"KVStoreServer: a non-blank admin_api_key is required (pass it or set "
+                             f"{ADMIN_KEY_ENV}), got {key!r}")
         if max_body_bytes <= 0:
             raise ValueError(f"KVStoreServer: max_body_bytes must be positive, got {max_body_bytes}")
         self.host = host

@@ -12,6 +12,7 @@ import ast
 import asyncio
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from awex_fast.kvstore import (
     KVAuthError,
     KVKeyError,
     KVRequestError,
+    KVStore,
     KVStoreClient,
     KVStoreError,
     KVStoreServer,
@@ -234,6 +236,9 @@ def test_server_refuses_to_start_without_a_key(monkeypatch):
         KVStoreServer()
     with pytest.raises(ValueError, match="admin_api_key"):
         KVStoreServer(admin_api_key="")
+    for blank in (" ", "\t\n"):  # nothing could authenticate: bearer tokens are stripped
+        with pytest.raises(ValueError, match="admin_api_key"):
+            KVStoreServer(admin_api_key=blank)
 
 
 # --- body limits and malformed bodies ---------------------------------------------------------------
@@ -266,6 +271,8 @@ def test_oversized_body_is_413(server, kv, pair):
         (b"[1, 2]", "JSON object"),
         (b'{"val": 1}', "'value'"),
         (b'{"value": NaN}', "NaN"),
+        (b'{"value": 1e400}', "float64 range"),  # parses to inf: was a 500
+        (b'{"value": ' + b"[" * 1500 + b"]" * 1500 + b"}", "nested too deeply"),  # was a 500
     ],
 )
 def test_malformed_body_is_400(server, kv, pair, body, needle):
@@ -523,3 +530,36 @@ def test_module_never_uses_pickle(module):
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "__import__":
             found.append("__import__")
     assert not found, f"{module} touches {found}"
+
+
+def test_client_leaving_mid_body_logs_one_short_line(server, pair, caplog):
+    caplog.set_level(logging.DEBUG)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(f"PUT /weight_meta/{pair}/k HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"value\":".encode())
+        time.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while not any("left during the body" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.05)
+    time.sleep(0.3)  # anything else the server would log about it
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    assert noisy == [], [r.getMessage() for r in noisy]  # was a 1.2 kB "unhandled error" traceback
+    (line,) = [r.getMessage() for r in caplog.records if "left during the body" in r.getMessage()]
+    assert len(line) < 200 and pair in line
+
+
+def test_key_count_and_total_bytes_are_capped():
+    with KVStoreServer(admin_api_key=KEY, store=KVStore(max_keys=2, max_total_bytes=200)) as srv:
+        put = lambda key, body: raw(srv.port, "PUT", f"/weight_meta/p/{key}", body, AUTH)  # noqa: E731
+        assert put("a", b'{"value": 1}')[0] == 200
+        assert put("set/s", b'{"value": "m"}')[0] == 200
+        status, answer = put("b", b'{"value": 2}')  # a third key
+        assert status == 413 and answer["store_full"] and "limit of 2 keys" in answer["error"], answer
+        assert put("a", b'{"value": 3}')[0] == 200  # an overwrite is no new key
+        status, answer = put("a", json.dumps({"value": "x" * 300}).encode())
+        assert status == 413 and "limit of 200 bytes" in answer["error"], answer
+        assert raw(srv.port, "DELETE", "/weight_meta/p/a", None, AUTH)[0] == 200
+        assert put("b", b'{"value": 2}')[0] == 200  # the delete made room
+    with pytest.raises(ValueError, match="max_keys"):
+        KVStore(max_keys=0)

@@ -18,11 +18,14 @@ have fewer cores than ranks). Every wait is bounded by its timeout, wakes at lea
 ``_SLICE_S`` to check that the peer process is alive and has not aborted, and raises
 TimeoutError or RuntimeError naming the peer.
 
-Segments (``/dev/shm/awex_ipc_<token>_...``) are created by their owner (a rank's doorbell) or
-the receiver (a channel), named in the group's rendezvous store, and unlinked as soon as the peer
-mapped them, so a killed process leaks nothing that was set up. Every rank must see the same
-/dev/shm (one host, one mount namespace): the group checks at init by opening every peer's
-doorbell, and refuses with a message that names the rank it cannot reach.
+Segments (``/dev/shm/awex_ipc_<token>_p<owner pid>_...``) are created by their owner (a rank's
+doorbell) or the receiver (a channel), named in the group's rendezvous store, and unlinked as
+soon as the peer mapped them. A process killed before that (during init, or after making a
+channel its sender never mapped) cannot unlink its own: every init first reaps such orphans
+(`awex_fast.colocate.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
+was released by the kernel). Every rank must see the same /dev/shm (one host, one mount
+namespace): the group checks at init by opening every peer's doorbell, and refuses with a
+message that names the rank it cannot reach; a rank that dies during init is named too.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import DistError, DistStoreError
 
 from awex_fast._native import native
-from awex_fast.colocate import ColocateError, SharedSegment
+from awex_fast.colocate import ColocateError, SharedSegment, pid_alive, reap_orphans
 from awex_fast.transport.base import check_peer, make_store, timedelta
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
@@ -50,22 +54,13 @@ _CTL = 64  # per-slot control line: ready, nbytes, tag, consumed
 _MAGIC = 0x617765785F697063  # "awex_ipc"
 CHUNK_BYTES = 4 << 20  # slot size of the isend/irecv channel
 CHUNK_SLOTS = 4
+PREFIX = "awex_ipc_"  # every segment of this backend: /dev/shm/awex_ipc_<token>_p<owner pid>_...
+_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.colocate.reap_orphans)
+_INIT_POLL_S = 0.1  # how often init looks at the pids of the ranks it waits for
 
 
 def _page_round(n: int) -> int:
     return (n + 4095) // 4096 * 4096
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, killed but not yet reaped by its parent, counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return True  # cannot tell: let the timeout decide
-    return state not in (b"Z", b"X")
 
 
 class Channel:
@@ -230,37 +225,109 @@ class IpcTransferGroup:
         self._channels: dict[tuple[str, int, str], Channel] = {}
         self._streams: dict[tuple[str, int], deque[_Stream]] = {}
         self._next_chunk: dict[tuple[str, int], int] = {}
+        self._pids: dict[int, int] = {}  # rank -> pid, once the rank joined
+        self._peer_bells: dict[int, SharedSegment] = {}
+        reap_orphans(PREFIX, _REAP_AGE_S)  # what killed groups left behind (module docstring)
         if rank == 0:
             self.store.set("ipc/token", secrets.token_hex(6))
-        self.store.wait(["ipc/token"], timedelta(self.timeout_s))
+        self._await_keys({0: "ipc/token"}, "publish the group's token")
         self._token = self.store.get("ipc/token").decode()
-        self._bell = SharedSegment(f"awex_ipc_{self._token}_bell{rank}", 4096, create=True)
-        self.store.set(f"ipc/rank{rank}", json.dumps({"pid": os.getpid(), "bell": self._bell.name}))
-        self._pids: dict[int, int] = {}
-        self._peer_bells: dict[int, SharedSegment] = {}
-        for peer in range(world_size):
-            if peer != rank:
-                self._join_peer(peer)
-        # Every peer mapped our doorbell: drop its name so that no crash can leak it.
-        self.store.set(f"ipc/opened{rank}", "1")
-        self.store.wait([f"ipc/opened{p}" for p in range(world_size)], timedelta(self.timeout_s))
-        self._bell.unlink()
+        self._bell = self._segment("bell", str(rank), 4096)
+        try:
+            self.store.set(f"ipc/rank{rank}", json.dumps({"pid": os.getpid(), "bell": self._bell.name}))
+            for peer in range(world_size):
+                if peer != rank:
+                    self._join_peer(peer)
+            # Every peer mapped our doorbell: drop its name so that no crash can leak it.
+            self.store.set(f"ipc/opened{rank}", "1")
+            self._await_keys({p: f"ipc/opened{p}" for p in range(world_size) if p != rank},
+                             "open every peer's doorbell segment")
+        except Exception as exc:
+            self._tell_failure(exc)
+            raise
+        finally:
+            self._bell.unlink()
+
+    def _tell_failure(self, exc: Exception) -> None:
+        """Publish why this rank gives up init (the first failure wins), so that peers which
+        can no longer open this rank's doorbell report the cause and not a missing segment."""
+        with contextlib.suppress(Exception):
+            if self.store.add("ipc/failures", 1) == 1:
+                self.store.set("ipc/failed", str(exc) if "init_transfer_group" in str(exc)
+                               else f"rank {self.rank} failed in init_transfer_group: {exc}")
+
+    def _raise_if_failed(self) -> None:
+        if self.store.check(["ipc/failed"]):
+            raise RuntimeError(f"ipc: init_transfer_group failed on another rank: "
+                               f"{self.store.get('ipc/failed').decode()}")
+
+    def _segment(self, kind: str, suffix: str, size: int) -> SharedSegment:
+        """A new segment owned by this process, named so that `reap_orphans` can find its owner."""
+        name = f"{PREFIX}{self._token}_p{os.getpid()}_{kind}{suffix}"
+        return SharedSegment(name, size, create=True, owner_lock=True)
+
+    def _await_keys(self, keys: dict[int, str], what: str) -> None:
+        """Wait until every rank in ``keys`` set its store key (it did ``what``). Raises naming the
+        ranks that did not: RuntimeError as soon as one of them is seen dead, else TimeoutError
+        after the group's timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        missing = dict(keys)
+        while True:
+            try:
+                # a blocking wait (answered the moment the keys appear, so a rank that then exits
+                # at once, taking the store with it, is not missed), in slices between checks
+                self.store.wait(list(missing.values()), timedelta(_INIT_POLL_S))
+                return
+            except DistStoreError:  # this slice ran out
+                pass
+            except DistError as exc:  # the store lives in rank 0's process
+                raise self._store_lost(missing, what, exc) from exc
+            try:
+                missing = {r: k for r, k in missing.items() if not self.store.check([k])}
+                if missing:
+                    self._raise_if_failed()
+            except DistError as exc:
+                raise self._store_lost(missing, what, exc) from exc
+            if not missing:
+                return
+            dead = [r for r in missing if r in self._pids and not pid_alive(self._pids[r])]
+            if dead:
+                raise RuntimeError(
+                    f"ipc: rank {dead[0]} (pid {self._pids[dead[0]]}) died during init_transfer_group "
+                    f"before it could {what}; rank {self.rank} gives up (its segments are reaped by "
+                    "the next init on this host)"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"ipc: rank(s) {sorted(missing)} did not {what} within {self.timeout_s:.1f}s "
+                    f"(init_transfer_group on rank {self.rank})"
+                )
+            time.sleep(_INIT_POLL_S)
+
+    def _store_lost(self, missing: dict[int, str], what: str, exc: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"ipc: rank {self.rank} lost the group's rendezvous store (hosted by rank 0) while "
+            f"waiting for rank(s) {sorted(missing)} to {what}: {exc}"
+        )
 
     def _join_peer(self, peer: int) -> None:
         key = f"ipc/rank{peer}"
-        try:
-            self.store.wait([key], timedelta(self.timeout_s))
-        except RuntimeError as exc:
-            raise TimeoutError(f"ipc: rank {peer} never joined the transfer group: {exc}") from exc
+        self._await_keys({peer: key}, "join the transfer group")
         info = json.loads(self.store.get(key))
+        self._pids[peer] = int(info["pid"])
         try:
             self._peer_bells[peer] = SharedSegment(info["bell"], 4096, create=False)
         except ColocateError as exc:
+            self._raise_if_failed()
+            if not pid_alive(self._pids[peer]):
+                raise RuntimeError(
+                    f"ipc: rank {peer} (pid {self._pids[peer]}) died during init_transfer_group before "
+                    f"rank {self.rank} could open its doorbell segment"
+                ) from exc
             raise ValueError(
                 f"ipc backend: rank {peer}'s shared segment {info['bell']!r} is not visible from rank "
                 f"{self.rank}; every rank must run on one host with one /dev/shm (use gloo otherwise)"
             ) from exc
-        self._pids[peer] = int(info["pid"])
 
     # --- doorbells and bounded waits ------------------------------------------------------------
 
@@ -308,7 +375,7 @@ class IpcTransferGroup:
             raise RuntimeError(
                 f"ipc: rank {peer} aborted the transfer while rank {self.rank} waited for {what}"
             )
-        if not _pid_alive(self._pids[peer]):
+        if not pid_alive(self._pids[peer]):
             raise RuntimeError(
                 f"ipc: rank {peer} (pid {self._pids[peer]}) died while rank {self.rank} waited for {what}"
             )
@@ -352,7 +419,7 @@ class IpcTransferGroup:
 
     def _create_channel(self, peer: int, name: str, slots: int, slot_bytes: int) -> Channel:
         size = _page_round(_HEADER + slots * _CTL) + slots * slot_bytes
-        seg = SharedSegment(f"awex_ipc_{self._token}_{peer}_{self.rank}_{name}", size, create=True)
+        seg = self._segment("chan", f"{peer}_{self.rank}_{name}", size)
         words = seg.tensor[:_HEADER].view(torch.int64)
         words[1], words[2] = slots, slot_bytes
         words[0] = _MAGIC
