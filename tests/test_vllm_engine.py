@@ -457,11 +457,12 @@ def _served(urls: list[str]) -> dict[str, dict]:
             label = get_json(url + "/weight_info", timeout=5)["weight_version"]
         except OSError:
             continue
-        served[url] = {"label": label, "greedy": [list(map(list, g)) for g in greedy(url, PROMPTS, 8)]}
+        served[url] = {"label": label, "greedy": _as_lists(greedy(url, PROMPTS, 8))}
     return served
 
 
 def _as_lists(outputs: list[Greedy]) -> list[list]:
+    """``greedy`` outputs as the JSON lists a trainer process returns them in."""
     return [list(map(list, g)) for g in outputs]
 
 

@@ -415,7 +415,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             for errors, worker_errors in zip(failures, reports, strict=True):
                 errors += worker_errors
             t3 = time.perf_counter()
-            finishes = [pool.submit(_finish, c, version if not errors else None)
+            # weight_version None closes vLLM's session unlabelled (the sync client protocol)
+            finishes = [pool.submit(c.finish_weight_update, None if errors else str(version))
                         for c, errors in zip(self.clients, failures, strict=True)]
             for where, fut, errors in zip(names, finishes, failures, strict=True):
                 try:
@@ -451,15 +452,6 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
 
 
 # --- helpers --------------------------------------------------------------------------------------
-
-
-def _finish(client: Any, version: int | None) -> None:
-    """Close vLLM's update session on ``client``: labelled ``version``, or unlabelled (None)
-    when its weights did not change."""
-    if version is None:
-        client.finish_weight_update()
-    else:
-        client.finish_weight_update(weight_version=str(version))
 
 
 def _raise_worker_errors(kv: KVStoreClient, pair: str, sizes: list[int], engines: list[str], what: str,

@@ -312,15 +312,20 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # ------------------------------------------------------------------------------ generation
 
+    def _next_address(self, req: LLMRequest) -> str:
+        """The server for ``req`` (round robin), after checking it is one sample and that the
+        engine is initialized."""
+        if req.gconfig.n_samples != 1:
+            raise ValueError(f"agenerate needs gconfig.n_samples == 1 (got {req.gconfig.n_samples}); "
+                             "send n requests (RLVRWorkflow does) for n samples")
+        if not self.addresses:
+            raise RuntimeError(f"{type(self).__name__} is not initialized")
+        return self.addresses[next(self._rr) % len(self.addresses)]
+
     async def agenerate(self, req: LLMRequest) -> LLMResponse:
         """Generate one completion of ``req``; see the module docstring."""
         g = req.gconfig
-        if g.n_samples != 1:
-            raise ValueError(f"agenerate needs gconfig.n_samples == 1 (got {g.n_samples}); send n "
-                             "requests (RLVRWorkflow does) for n samples")
-        if not self.addresses:
-            raise RuntimeError("RemoteInferenceEngine is not initialized")
-        url = self.addresses[next(self._rr) % len(self.addresses)]
+        url = self._next_address(req)
         start = time.monotonic()
         tokens: list[int] = []
         logprobs: list[float] = []

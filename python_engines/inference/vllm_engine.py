@@ -261,12 +261,7 @@ class RemotevLLMEngine(RemoteInferenceEngine):
         """Generate one completion of ``req`` on the next server (round robin); see the module
         docstring."""
         g = req.gconfig
-        if g.n_samples != 1:
-            raise ValueError(f"agenerate needs gconfig.n_samples == 1 (got {g.n_samples}); send n "
-                             "requests (RLVRWorkflow does) for n samples")
-        if not self.addresses:
-            raise RuntimeError("RemotevLLMEngine is not initialized")
-        url = self.addresses[next(self._rr) % len(self.addresses)]
+        url = self._next_address(req)
         start = time.monotonic()
         tokens: list[int] = []
         logprobs: list[float] = []

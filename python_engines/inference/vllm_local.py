@@ -45,7 +45,6 @@ class LocalvLLMServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._server: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, timeout: float = 600.0) -> str:
@@ -65,15 +64,15 @@ class LocalvLLMServer:
         return self.url
 
     def _run(self, sock: socket.socket) -> None:
-        self._loop = asyncio.new_event_loop()
+        loop = asyncio.new_event_loop()
         try:
-            self._loop.run_until_complete(self._serve(sock))
+            loop.run_until_complete(self._serve(sock))
         except BaseException as exc:  # noqa: BLE001 - handed to start() or logged by vLLM already
             self._error = exc
         finally:
             self._ready.set()
             sock.close()
-            self._loop.close()
+            loop.close()
 
     async def _serve(self, sock: socket.socket) -> None:
         import uvicorn
