@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from awex_fast._lazy import lazy_exports
+
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # metadata
@@ -43,53 +45,50 @@ _EXPORTS: dict[str, str] = {
     "PlanError": "awex_fast.plan",
     "RankPlan": "awex_fast.plan",
     "build_plan": "awex_fast.plan",
-    "simulate": "awex_fast.simulate",
+    "simulate": "awex_fast.plan",
     # execution
-    "Executor": "awex_fast.executor",
-    "PlanMismatchError": "awex_fast.executor",
-    "wire_buckets": "awex_fast.executor",
+    "Executor": "awex_fast.transfer",
+    "PlanMismatchError": "awex_fast.transfer",
+    "wire_buckets": "awex_fast.transfer",
     "TransferError": "awex_fast.transport",
     "init_transfer_group": "awex_fast.transport",
     # KV store
-    "KVStoreServer": "awex_fast.kvstore",
-    "KVStoreClient": "awex_fast.kvstore",
-    "AsyncKVStoreClient": "awex_fast.kvstore",
-    "KVStoreError": "awex_fast.kvstore",
-    "KVKeyError": "awex_fast.kvstore",
-    "KVAuthError": "awex_fast.kvstore",
-    "KVRequestError": "awex_fast.kvstore",
-    "KVUnavailableError": "awex_fast.kvstore",
-    "KVTimeoutError": "awex_fast.kvstore",
+    "KVStoreServer": "awex_fast.net",
+    "KVStoreClient": "awex_fast.net",
+    "AsyncKVStoreClient": "awex_fast.net",
+    "KVStoreError": "awex_fast.net",
+    "KVKeyError": "awex_fast.net",
+    "KVAuthError": "awex_fast.net",
+    "KVRequestError": "awex_fast.net",
+    "KVUnavailableError": "awex_fast.net",
+    "KVTimeoutError": "awex_fast.net",
     # adapters, pair controller, colocated mode
-    "AwexTrainingAdapter": "awex_fast.adapters",
-    "AwexInferenceAdapter": "awex_fast.adapters",
-    "TrainingAdapter": "awex_fast.adapters",
-    "InferenceAdapter": "awex_fast.adapters",
-    "WeightsNotReadyError": "awex_fast.adapters",
-    "WeightSyncPair": "awex_fast.pair",
-    "HttpWorker": "awex_fast.pair",
-    "KVWorker": "awex_fast.pair",
-    "PairError": "awex_fast.pair",
-    "serve_kv_worker": "awex_fast.pair",
-    "worker_app": "awex_fast.worker_routes",
-    "worker_routes": "awex_fast.worker_routes",
-    "share_tensors": "awex_fast.colocate",
+    "AwexTrainingAdapter": "awex_fast.sync",
+    "AwexInferenceAdapter": "awex_fast.sync",
+    "TrainingAdapter": "awex_fast.sync",
+    "InferenceAdapter": "awex_fast.sync",
+    "WeightsNotReadyError": "awex_fast.sync",
+    "WeightSyncPair": "awex_fast.sync",
+    "HttpWorker": "awex_fast.sync",
+    "KVWorker": "awex_fast.sync",
+    "PairError": "awex_fast.sync",
+    "serve_kv_worker": "awex_fast.sync",
+    "worker_app": "awex_fast.sync",
+    "worker_routes": "awex_fast.sync",
+    "share_tensors": "awex_fast.sync",
     # native core
     "build_info": "awex_fast._native",
 }
-_SUBMODULES = {
-    "adapters", "bench", "colocate", "copy", "executor", "kvstore", "layouts", "meta", "models", "pair",
-    "plan", "transport",
-}  # fmt: skip
+_base_getattr, _base_dir = lazy_exports(__name__, _EXPORTS, globals())
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    """Public names and subpackages on first use; ``copy`` is `awex_fast.transfer.boxcopy`
+    (``af.copy.pack`` / ``af.copy.unpack``), ``__version__`` the installed version."""
+    if name == "copy":
+        value = importlib.import_module("awex_fast.transfer.boxcopy")
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"awex_fast.{name}")
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 
@@ -97,11 +96,11 @@ def __getattr__(name: str) -> Any:
             return version("awex_fast")
         except PackageNotFoundError:  # a source checkout used in place
             return importlib.import_module("awex_fast._native").build_info()["version"]
-    raise AttributeError(f"module 'awex_fast' has no attribute {name!r}")
+    return _base_getattr(name)
 
 
 def __dir__() -> list[str]:
-    return sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+    return sorted([*_base_dir(), "copy", "__version__"])
 
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,6 @@
 """``awex-fast``: one entry point, one subcommand per tool.
 
-``awex-fast plan`` plans a named model (awex_fast.models) between two generated layouts
+``awex-fast plan`` plans a named model (awex_fast.layouts.models) between two generated layouts
 (awex_fast.layouts.synthetic) and prints the plan's stats; ``bench``, ``kv-server`` and
 ``gateway`` hand their arguments to the modules that own them. Subcommand modules are imported
 only when chosen, so ``awex-fast plan`` never imports aiohttp or starts a transport.
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 # name -> (module, function taking argv and returning an exit code, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("awex_fast.cli", "plan_main", "plan a named model between two layouts and print stats"),
-    "bench": ("awex_fast.bench", "bench_main", "measure weight-sync latency and bandwidth"),
-    "kv-server": ("awex_fast.kvstore", "kv_server_main", "serve the HTTP KV store for metadata"),
-    "gateway": ("awex_fast.pair", "gateway_main", "run the pair controller's HTTP gateway"),
+    "bench": ("awex_fast.bench.run", "bench_main", "measure weight-sync latency and bandwidth"),
+    "kv-server": ("awex_fast.net.kvstore", "kv_server_main", "serve the HTTP KV store for metadata"),
+    "gateway": ("awex_fast.sync.pair", "gateway_main", "run the pair controller's HTTP gateway"),
 }
 
 
@@ -29,7 +29,7 @@ def _gib(n: float) -> str:
 
 
 def plan_table(stats: dict, extra: Sequence[tuple[str, str]] = ()) -> str:
-    """The stats of `awex_fast.plan.Plan.stats` as an aligned two-column table."""
+    """The stats of `awex_fast.plan.planner.Plan.stats` as an aligned two-column table."""
     rows = [
         *extra,
         ("parameters planned", f"{stats['params']}"),
@@ -94,8 +94,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     """``awex-fast plan --model NAME --train SPEC --infer SPEC``: print the plan's stats table
     (or JSON with ``--json``). Exit codes: 0, 2 for bad arguments or metadata the planner
     rejects (the message names the parameter)."""
+    from awex_fast.layouts.models import DEFAULT_MODEL, model_names, model_spec
     from awex_fast.layouts.synthetic import parse_infer, parse_train, world_metas
-    from awex_fast.models import DEFAULT_MODEL, model_names, model_spec
     from awex_fast.plan import PlanError, build_plan, unsupported_casts
 
     parser = argparse.ArgumentParser(

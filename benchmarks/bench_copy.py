@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 import awex_fast as af
-from awex_fast import copy as afc
+from awex_fast.transfer import boxcopy as afc
 
 MiB = 1 << 20
 

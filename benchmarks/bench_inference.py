@@ -30,9 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _inference_helpers import TINY, http, make_checkpoint
 
-from awex_fast.adapters import TrainingAdapter
-from awex_fast.kvstore import KVStoreServer
-from awex_fast.pair import WeightSyncPair
+from awex_fast.net import KVStoreServer
+from awex_fast.sync import TrainingAdapter, WeightSyncPair
 from python_engines.inference.server import launch_server
 
 KEY = "bench-inference-key"

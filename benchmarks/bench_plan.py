@@ -1,6 +1,6 @@
 """Planning benchmark: awex_fast's native planner next to Awex 0.9's TransferPlanBuilder.
 
-For each layout (named model shapes from awex_fast.models, generated layouts from
+For each layout (named model shapes from awex_fast.layouts.models, generated layouts from
 awex_fast.layouts.synthetic) it measures, from in-memory metadata:
 
 * per-rank planning: what one rank pays at start-up, ``build_plan`` (read, canonicalise and
@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from awex_fast.awex_baseline import awex_available, quiet_awex_logs, to_awex
+from awex_fast.bench.awex_baseline import awex_available, quiet_awex_logs, to_awex
+from awex_fast.layouts import model_spec
 from awex_fast.layouts.synthetic import parse_infer, parse_train, world_metas
 from awex_fast.meta import ParameterMeta, merge_metas, metas_from_json, metas_to_json
-from awex_fast.models import model_spec
 from awex_fast.plan import build_plan
 
 # name -> (model, training layout, inference layout)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from bench_copy import make_case
 
-from awex_fast import copy as afc
+from awex_fast.transfer import boxcopy as afc
 
 CASES = ["a_4x64MiB", "b_4096x64KiB", "c_8192sq_8colblocks"]
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from awex_fast.httputil import EventLoopThread
+from awex_fast.net import EventLoopThread
 from python_engines.api import GenerationHyperparameters, InferenceEngine, LLMRequest, RolloutWorkflow
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ print(json.dumps(i)); assert i['cuda'], 'CUDA part not built'; print(torch.__ver
 # --- tests marked gpu (run outside the checkout so the installed build is imported) -----------
 # Only the GPU test files are collected: the image lacks some CPU-test dependencies (tensordict).
 section pytest_gpu bash -c "cd '$OUT' && '$PY' -m pytest -m gpu -q -p no:cacheprovider --rootdir '$repo' \
-  '$repo'/tests/*gpu*.py --junitxml='$OUT/pytest_gpu.xml'"
+  '$repo'/tests/*/test_gpu_*.py --junitxml='$OUT/pytest_gpu.xml'"
 
 # --- native batched copy against torch device-to-device copy ----------------------------------
 section bench_copy bash -c "cd '$OUT' && '$PY' '$repo'/benchmarks/bench_copy.py --device cuda --samples 20 \

@@ -1,8 +1,8 @@
 """A stand-alone training-side weight-sync worker for the inference tests.
 
 ``python tests/_inference_trainer.py <hf checkpoint> <url file>`` loads the checkpoint into a
-plain transformers model, wraps it in ``awex_fast.adapters.TrainingAdapter`` (one rank, gloo),
-serves ``awex_fast.worker_routes.worker_app`` on 127.0.0.1 port 0, writes its URL to
+plain transformers model, wraps it in ``awex_fast.sync.adapters.TrainingAdapter`` (one rank, gloo),
+serves ``awex_fast.sync.routes.worker_app`` on 127.0.0.1 port 0, writes its URL to
 ``<url file>`` and serves until killed. The tests kill it to play a sender that dies.
 """
 
@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from awex_fast.adapters import TrainingAdapter
-from awex_fast.httputil import BackgroundServer
-from awex_fast.worker_routes import worker_app
+from awex_fast.net import BackgroundServer
+from awex_fast.sync import TrainingAdapter, worker_app
 
 
 def main(checkpoint: str, url_file: str) -> None:

@@ -7,14 +7,13 @@
 * `FusedLayout`, `DecoderConfig` (`awex_fast.layouts.fused`): vLLM / SGLang fused per-TP-rank
   tensors as canonical views, their metas, shapes and an allocator.
 
-Names resolve lazily (PEP 562): a submodule is imported on first use of one of its names, so
+Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names, so
 ``from awex_fast.layouts import megatron_metas`` does not load the DTensor or fused modules.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from awex_fast._lazy import lazy_exports
 
 _EXPORTS = {
     "metas_from_dtensors": "dtensor",
@@ -27,20 +26,11 @@ _EXPORTS = {
     "ParallelLayout": "megatron",
     "megatron_metas": "megatron",
     "megatron_style": "megatron",
+    "ModelSpec": "models",
+    "TensorSpec": "models",
+    "model_spec": "models",
+    "model_names": "models",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import the submodule that defines ``name`` on first use."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'awex_fast.layouts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"awex_fast.layouts.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,4 +1,4 @@
-"""Generated training and inference layouts for the named model shapes of `awex_fast.models`.
+"""Generated training and inference layouts for the named model shapes of `awex_fast.layouts.models`.
 
 Why generated: planning benchmarks and `awex-fast plan` need the metadata a 256-rank Megatron
 job or 128 vLLM ranks would report, on a machine that can run neither. Every layout is written
@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass, replace
 from functools import cache
 
+from awex_fast.layouts.models import ModelSpec, TensorSpec
 from awex_fast.meta import ParameterMeta, ShardRule
-from awex_fast.models import ModelSpec, TensorSpec
 
 
 @dataclass(frozen=True)

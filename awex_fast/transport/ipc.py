@@ -4,7 +4,7 @@ Why: between processes of one machine a socket transport copies every byte twice
 kernel (sender -> socket buffer -> receiver) on top of whatever packing the executor does. Here a
 *channel* per (sender, receiver) pair is a shared segment of slots that both processes map: the
 executor packs (and casts) straight into the receiver's slot and the receiver unpacks straight
-out of it (`Channel`; awex_fast.executor replays a whole update's messages through
+out of it (`Channel`; awex_fast.transfer.executor replays a whole update's messages through
 `IpcTransferGroup.runner`, csrc/shm/runner.cpp, with no Python between messages), so a staged
 message costs one copy per side and nothing else. Plain `isend`/`irecv` (baselines, checksum
 lists) stream through a channel of their own in ``chunk_bytes`` pieces, pipelined, and progress
@@ -22,7 +22,7 @@ Segments (``/dev/shm/awex_ipc_<token>_p<owner pid>_...``) are created by their o
 doorbell) or the receiver (a channel), named in the group's rendezvous store, and unlinked as
 soon as the peer mapped them. A process killed before that (during init, or after making a
 channel its sender never mapped) cannot unlink its own: every init first reaps such orphans
-(`awex_fast.colocate.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
+(`awex_fast.sync.colocate.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
 was released by the kernel). Every rank must see the same /dev/shm (one host, one mount
 namespace): the group checks at init by opening every peer's doorbell, and refuses with a
 message that names the rank it cannot reach; a rank that dies during init is named too.
@@ -44,7 +44,7 @@ import torch
 from torch.distributed import DistError, DistStoreError
 
 from awex_fast._native import native
-from awex_fast.colocate import ColocateError, SharedSegment, pid_alive, reap_orphans
+from awex_fast.sync.colocate import ColocateError, SharedSegment, pid_alive, reap_orphans
 from awex_fast.transport.base import check_peer, make_store, timedelta
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
@@ -55,7 +55,7 @@ _MAGIC = 0x617765785F697063  # "awex_ipc"
 CHUNK_BYTES = 4 << 20  # slot size of the isend/irecv channel
 CHUNK_SLOTS = 4
 PREFIX = "awex_ipc_"  # every segment of this backend: /dev/shm/awex_ipc_<token>_p<owner pid>_...
-_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.colocate.reap_orphans)
+_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.sync.colocate.reap_orphans)
 _INIT_POLL_S = 0.1  # how often init looks at the pids of the ranks it waits for
 
 

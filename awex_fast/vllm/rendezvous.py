@@ -2,7 +2,7 @@
 
 vLLM's weight-transfer API gives the trainer one channel to the workers: four RPCs driven by
 trainer rank 0. Everything else goes through an awex_fast KV store (hosted by trainer rank 0
-unless the user runs one), with the keys of the adapters' protocol (`awex_fast.adapters`):
+unless the user runs one), with the keys of the adapters' protocol (`awex_fast.sync.adapters`):
 
 1. every trainer rank publishes its pieces under `train_rank_key` (side-local ranks);
 2. trainer rank 0 merges them into ``training_params_meta`` (`collect_training`);
@@ -25,14 +25,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from awex_fast.adapters import (
+from awex_fast.meta import ParameterMeta, merge_metas
+from awex_fast.net import KVStoreClient, KVTimeoutError
+from awex_fast.sync import (
     INFER_META_KEY,
     TRAINING_META_KEY,
     decode_side_metas,
     encode_side_metas,
 )
-from awex_fast.kvstore import KVStoreClient, KVTimeoutError
-from awex_fast.meta import ParameterMeta, merge_metas
 
 __all__ = [
     "WorkerInitError",

@@ -46,9 +46,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from awex_fast.adapters import TrainingAdapter
-from awex_fast.kvstore import ADMIN_KEY_ENV, KVStoreClient, KVStoreServer
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, dtype_name
+from awex_fast.net import ADMIN_KEY_ENV, KVStoreClient, KVStoreServer
+from awex_fast.sync import TrainingAdapter
 from awex_fast.transport import BACKENDS, TransferError
 from awex_fast.vllm import rendezvous
 from awex_fast.vllm.worker import LOAD_MODES, AwexFastWorkerInitInfo
@@ -174,7 +174,7 @@ class ShardedSource(WeightSource):
 def _check_module_shapes(module: nn.Module, metas: Sequence[ParameterMeta]) -> None:
     """Local shards must be the size their metadata says (a stale ``.data`` rebinding would
     otherwise send or receive the wrong bytes)."""
-    from awex_fast.adapters import _local
+    from awex_fast.sync.adapters import _local
 
     by_name = dict(module.named_parameters())
     for m in metas:

@@ -38,9 +38,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from awex_fast.adapters import InferenceAdapter
-from awex_fast.kvstore import KVStoreClient
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta
+from awex_fast.net import KVStoreClient
+from awex_fast.sync import InferenceAdapter
 from awex_fast.transport import TransferError
 from awex_fast.vllm import rendezvous
 from awex_fast.vllm.cpu_moe import cpu_fused_experts, write_processed_experts

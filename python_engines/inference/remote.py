@@ -26,7 +26,7 @@ Contract:
   training side follows (`python_engines.train.engine`, DESIGN.md "Who drives an update"):
   every TP rank leaves any old group; the client collects every rank's side-local metadata,
   merges it per server (one engine per server, in address order), deletes a stale
-  ``transfer_master_port``, publishes ``infer_params_meta`` (`awex_fast.adapters.
+  ``transfer_master_port``, publishes ``infer_params_meta`` (`awex_fast.sync.adapters.
   encode_side_metas`, the engine sizes = TP sizes), waits for ``training_params_meta`` for the
   training world size, then every TP rank calls ``init_weight_update_group`` at once, with
   transfer rank = prefix sum of the earlier servers' TP sizes + its TP rank (master port 0:
@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from awex_fast.httputil import EventLoopThread, auth_headers, backoff_delay, error_message
+from awex_fast.net import EventLoopThread, auth_headers, backoff_delay, error_message
 from python_engines.api import (
     FinetuneSpec,
     InferenceEngine,
@@ -429,15 +429,15 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def _join_weight_sync(self, meta: WeightUpdateMeta, timeout: float) -> None:
         """The controller-less join of every TP rank of every server (module docstring)."""
-        from awex_fast.adapters import (
+        from awex_fast.meta import merge_metas, metas_from_json
+        from awex_fast.net import KVStoreClient
+        from awex_fast.sync.adapters import (
             INFER_META_KEY,
             MASTER_PORT_KEY,
             TRAINING_META_KEY,
             decode_side_metas,
             encode_side_metas,
         )
-        from awex_fast.kvstore import KVStoreClient
-        from awex_fast.meta import merge_metas, metas_from_json
 
         pair, kv_url = meta.pair_name, meta.kv_store_url
         where = f"of pair {pair!r} at {kv_url}"

@@ -3,9 +3,9 @@
 Every handler that touches the scheduler or the weights hands a closure to the engine loop
 (`EngineLoop.call`) and awaits it, so HTTP never races a forward pass: the closure runs between
 two steps. ``/health`` alone reads the loop's state directly, so it answers even mid-step.
-Mutating routes check ``Authorization: Bearer <admin key>`` (`awex_fast.httputil.check_bearer`).
+Mutating routes check ``Authorization: Bearer <admin key>`` (`awex_fast.net.httputil.check_bearer`).
 The ``/awex/*`` worker routes of every TP rank (``/tp/{r}/awex/*``) come from
-`awex_fast.worker_routes` over `python_engines.inference.sync.RankProxy` objects.
+`awex_fast.sync.routes` over `python_engines.inference.gang.RankProxy` objects.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from awex_fast.httputil import check_bearer, json_error, json_error_middleware, read_json_body
-from awex_fast.worker_routes import MAX_BODY_BYTES, worker_routes
+from awex_fast.net import check_bearer, json_error, json_error_middleware, read_json_body
+from awex_fast.sync import MAX_BODY_BYTES, worker_routes
+from python_engines.inference.gang import Gang, RankProxy
 from python_engines.inference.sampling import SamplingParams
 from python_engines.inference.scheduler import Sequence
-from python_engines.inference.sync import Gang, RankProxy
 
 if TYPE_CHECKING:
     from python_engines.inference.server import EngineLoop

@@ -292,7 +292,7 @@ def worker_main(config: ServerConfig, rank: int) -> None:
     if rank != 0:
         worker.follow()
         return
-    from awex_fast.httputil import BackgroundServer
+    from awex_fast.net import BackgroundServer
     from python_engines.inference.routes import build_app
 
     engine = EngineLoop(worker, config)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from awex_fast.layouts.fused import pad_vocab_size
+from awex_fast.layouts import pad_vocab_size
 
 __all__ = ["TPContext", "TPShapes"]
 

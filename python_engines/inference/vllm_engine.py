@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
-from awex_fast.httputil import auth_headers, backoff_delay, error_message
+from awex_fast.net import auth_headers, backoff_delay, error_message
 from python_engines.api import (
     FinetuneSpec,
     LLMRequest,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from awex_fast.layouts.fused import FusedLayout
+from awex_fast.layouts import FusedLayout
 from awex_fast.meta import ParameterMeta
 from python_engines.inference.model import Transformer
 

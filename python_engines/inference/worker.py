@@ -99,7 +99,7 @@ class Worker:
     def _build_adapter(self, config: dict[str, Any]) -> Any:
         """This rank's awex_fast `InferenceAdapter` over the canonical views of the model; the
         ``kv_cache`` memory tag releases and re-allocates the KV cache."""
-        from awex_fast.adapters import InferenceAdapter
+        from awex_fast.sync import InferenceAdapter
 
         backend = config.get("transfer_backend") or ("nccl" if config["backend"] == "nccl" else "gloo")
         return InferenceAdapter(

@@ -42,7 +42,7 @@ the inference side runs its receive half. The group it sends over is:
   side publishes its own side's metadata and learns the other side's sizes from what the other
   side published. Training rank ``t`` puts its metas JSON (base64) under the pair's KV key
   ``training_params_meta_rank{t}``; once every rank did, training rank 0 merges them, publishes
-  ``training_params_meta`` (`awex_fast.adapters.encode_side_metas`: one group, the job's world
+  ``training_params_meta`` (`awex_fast.sync.adapters.encode_side_metas`: one group, the job's world
   size, and the adapter's ``bucket_bytes`` so that both sides plan alike) and deletes the
   per-rank keys. Every rank then waits for ``infer_params_meta``, which the inference side
   publishes (one group per engine, in engine order, with the engine sizes): ``num_engines`` is
@@ -121,7 +121,7 @@ from python_engines.train.parallel import (
 )
 
 if TYPE_CHECKING:
-    from awex_fast.adapters import TrainingAdapter
+    from awex_fast.sync import TrainingAdapter
 
 __all__ = ["TRAINING_RANK_META_KEY", "FSDPTrainEngine", "WeightSyncNotWiredError"]
 
@@ -570,7 +570,7 @@ class FSDPTrainEngine(TrainEngine):
         `upload_weights` brings one in its `WeightUpdateMeta`. Serve it (``/awex/*`` routes) to a
         `WeightSyncPair`, or let `upload_weights` join a group itself (module docstring)."""
         if self._weight_sync is None:
-            from awex_fast.adapters import TrainingAdapter
+            from awex_fast.sync import TrainingAdapter
 
             self.model  # noqa: B018 (raises before initialize)
             world = dist.get_world_size()
@@ -615,9 +615,9 @@ class FSDPTrainEngine(TrainEngine):
     def _join_weight_sync(self, adapter: TrainingAdapter, meta: WeightUpdateMeta) -> dict[str, Any]:
         """The controller-less join (module docstring); collective. Returns the adapter's init
         result."""
-        from awex_fast.adapters import INFER_META_KEY, TRAINING_META_KEY, decode_side_metas, encode_side_metas
-        from awex_fast.kvstore import KVStoreClient
         from awex_fast.meta import merge_metas, metas_from_json, metas_to_json
+        from awex_fast.net import KVStoreClient
+        from awex_fast.sync import INFER_META_KEY, TRAINING_META_KEY, decode_side_metas, encode_side_metas
 
         pair, url = meta.pair_name, meta.kv_store_url
         rank, world = dist.get_rank(), dist.get_world_size()

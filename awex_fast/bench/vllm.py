@@ -1,0 +1,577 @@
+"""`awex-fast bench --engine vllm`: one weight update into a real vLLM TP engine, every route timed
+in the same run on the same server.
+
+The parent writes a Hugging Face checkpoint of the model shape (`awex_fast.layouts.models`, random
+weights), starts ``python -m vllm.entrypoints.openai.api_server`` (TP ``--tp``) with backend
+``awex_fast`` and the `awex_fast.vllm.baselines.BenchWorkerExtension` (which swaps the workers'
+weight-transfer engine between routes), and spawns the trainer ranks (FSDP2 over gloo, float32
+weights, every local shard rewritten before every timed update) plus ``--tp`` stand-in receivers
+for the raw bound, as fresh processes (``python -m awex_fast.bench.vllm ROLE SPEC.json``; JSON
+specs and results, no pickle). Routes, interleaved per iteration (iteration 0 is a warm-up):
+
+* ``awex_fast``: `awex_fast.vllm` (each trainer rank sends its own shards' boxes to the workers
+  that keep them; the workers stage them and run vLLM's layerwise reload);
+* ``broadcast``: vLLM's ``nccl``-backend algorithm on gloo (`awex_fast.vllm.baselines`): rank 0
+  gathers every full tensor, casts, packs 1 GiB buckets, broadcasts them to every worker, which
+  calls ``load_weights`` inside the layerwise reload;
+* ``disk``: rank 0 gathers, casts and saves one safetensors file, then every worker reloads it
+  through vLLM's own loader (``/collective_rpc`` ``reload_weights(weights_path=DIR)``, vLLM's
+  `model_loader.reload.reload_weights`: layerwise reload of ``get_all_weights``);
+* ``raw``: the transport's bound: each (trainer rank, worker) pair of awex_fast's plan moves the
+  same bytes as one contiguous gloo message, between the trainer ranks and ``--tp`` stand-in
+  receiver processes (vLLM's workers cannot run foreign code on request).
+
+Phases: ``transfer`` is everything before vLLM's finalize (start + update RPCs, including the
+trainer's gathers and the workers' ``load_weights``), ``finalize`` is vLLM's
+``finalize_layerwise_reload`` (CPU repacking) as the ``finish_weight_update`` RPC times it, which
+every route pays. The disk route finalizes inside one RPC: its transfer is shown as total minus
+the median finalize of the other routes (marked ``~``). After timing, each route delivers the
+same weights once more and the server's ``/weight_checker`` checksums must equal awex_fast's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROUTES = ("awex_fast", "broadcast", "disk", "raw")
+_HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-7b": 28, "qwen2.5-72b": 64}
+
+
+# --- parent ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of `awex-fast bench --engine vllm`."""
+    p = argparse.ArgumentParser(prog="awex-fast bench --engine vllm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default="vllm", choices=["vllm"])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(_HEADS), help="model shape")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--untied", action="store_true",
+                   help="give the model its own lm_head (Qwen2.5-0.5B ties it to the embedding)")
+    p.add_argument("--tp", type=int, default=2, help="vLLM tensor parallel size")
+    p.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks")
+    p.add_argument("--dtype", default="bfloat16", help="vLLM dtype")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--methods", default=",".join(ROUTES), help="comma list of " + ", ".join(ROUTES))
+    p.add_argument("--transport", default="gloo", choices=["gloo", "ipc"],
+                   help="awex_fast's and raw's transport (broadcast is vLLM's algorithm on gloo)")
+    p.add_argument("--buffer-mb", type=int, default=1024, help="broadcast bucket (vLLM's default 1 GiB)")
+    p.add_argument("--workdir", default=None, help="checkpoint and logs here (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_checkpoint(path: Path, model: str, layers: int | None, dtype: str,
+                     untied: bool = False) -> dict[str, Any]:
+    """A Qwen2 checkpoint of the named shape with random weights (one safetensors file);
+    ``untied`` adds an ``lm_head.weight`` of its own where the shape ties it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from awex_fast.layouts import model_spec
+
+    spec = model_spec(model, layers)
+    by = {t.name: t.shape for t in spec.tensors}
+    vocab, hidden = by["model.embed_tokens.weight"]
+    names = [(t.name, t.shape) for t in spec.tensors]
+    if untied and "lm_head.weight" not in by:
+        names.append(("lm_head.weight", (vocab, hidden)))
+        by["lm_head.weight"] = (vocab, hidden)
+    heads = _HEADS[model]
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+        "intermediate_size": by["model.layers.0.mlp.gate_proj.weight"][0],
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": heads,
+        "num_key_value_heads": by["model.layers.0.self_attn.k_proj.weight"][0] // head_dim,
+        "vocab_size": vocab, "tie_word_embeddings": "lm_head.weight" not in by,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "torch_dtype": dtype,
+        "bos_token_id": 0, "eos_token_id": 1, "use_sliding_window": False,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: (torch.randn(shape, generator=gen) * 0.02).to(getattr(torch, dtype)) for n, shape in names}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return config
+
+
+def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
+                 timeout: float) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server (dev mode), backend awex_fast, with the engine-switching extension."""
+    import requests
+
+    port = _free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cpus = os.cpu_count() or tp
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+        f"{i * cpus // tp}-{(i + 1) * cpus // tp - 1}" if cpus // tp > 1 else str(i * cpus // tp)
+        for i in range(tp)))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager",
+           "--max-model-len", "128",
+           "--dtype", dtype, "--skip-tokenizer-init",
+           "--weight-transfer-config", json.dumps({"backend": "awex_fast"}),
+           "--worker-extension-cls", "awex_fast.vllm.baselines.BenchWorkerExtension"]
+    # cwd away from any checkout: `python -m` puts the cwd first on sys.path
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=log.parent,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
+        try:
+            if requests.get(url + "/health", timeout=1).ok:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError(f"vLLM did not come up in {timeout:.0f}s; see {log}")
+
+
+def _spawn(role: str, spec: dict, tmp: Path, name: str) -> subprocess.Popen:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.Popen([sys.executable, "-m", "awex_fast.bench.vllm", role, str(path)],
+                            stdout=(tmp / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, env=env,
+                            cwd=tmp)
+
+
+def _wait(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = {n: p.poll() for n, p in procs.items()}
+        bad = [n for n, c in codes.items() if c not in (None, 0)]
+        if bad or time.monotonic() > deadline:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            who = bad[0] if bad else next(n for n, c in codes.items() if c is None)
+            log = (tmp / f"{who}.log").read_text(errors="replace")[-5000:]
+            raise RuntimeError(f"{who} {'exited with ' + str(codes[who]) if bad else 'timed out'}:\n{log}")
+        if all(c == 0 for c in codes.values()):
+            return
+        time.sleep(0.1)
+
+
+def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
+    """Median seconds per phase and route, GB/s of the bytes the model holds in the inference
+    dtype, and the ratios the issue asks for."""
+    routes: dict[str, dict[str, Any]] = {}
+    for name, its in result["times"].items():
+        med = {k: statistics.median(v) if (v := [it[k] for it in its if it.get(k) is not None]) else None
+               for k in its[0]}
+        routes[name] = {"iters": its, **{k if k.endswith("_s") else f"{k}_s": v for k, v in med.items()}}
+    fin = [r["finalize_s"] for n, r in routes.items() if n != "disk" and r.get("finalize_s") is not None]
+    if "disk" in routes and fin:
+        routes["disk"]["finalize_s"] = None
+        routes["disk"]["transfer_s"] = routes["disk"]["total_s"] - statistics.median(fin)
+        routes["disk"]["transfer_estimated"] = True
+    if raw is not None:
+        per = [max(r["times"][i] for r in raw["ranks"]) for i in range(spec["iters"])]
+        routes["raw"] = {"iters": per, "transfer_s": statistics.median(per), "finalize_s": None,
+                         "total_s": statistics.median(per), "bytes": raw["bytes"]}
+    nbytes = result["model_bytes"]
+    for r in routes.values():
+        r["GBps"] = nbytes / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
+    ours = routes.get("awex_fast")
+    ratios: dict[str, float] = {}
+    if ours:
+        for other in ("broadcast", "disk", "raw"):
+            if other in routes:
+                ratios[f"transfer_vs_{other}"] = routes[other]["transfer_s"] / ours["transfer_s"]
+                if other != "raw":
+                    ratios[f"total_vs_{other}"] = routes[other]["total_s"] / ours["total_s"]
+    if ours:
+        # awex_fast's own split, from its workers: bytes moving vs vLLM applying them
+        for phase in ("receive_s", "load_s", "finalize_s"):
+            per = [max(v for k, v in it.items() if k.startswith("worker") and k.endswith(phase))
+                   for it in ours["iters"] if any(k.endswith(phase) for k in it)]
+            ours[f"workers_{phase}"] = statistics.median(per) if per else None
+        if "raw" in routes and ours.get("workers_receive_s"):
+            ratios["receive_vs_raw"] = routes["raw"]["transfer_s"] / ours["workers_receive_s"]
+    keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb", "transport")
+    return {"layout": {k: spec[k] for k in keys},
+            "model_bytes": nbytes, "raw_bytes": raw["bytes"] if raw else None, "routes": routes,
+            "ratios": ratios, "checksums_equal": result.get("checksums_equal"),
+            "mismatches": result.get("mismatches", {}), "phases": result.get("phases", {})}
+
+
+def print_table(summary: dict) -> None:
+    """The table `awex-fast bench --engine vllm` prints."""
+    lay = summary["layout"]
+    tie = " (untied lm_head)" if lay["untied"] else ""
+    if lay["layers"] is None:
+        from awex_fast.layouts import model_spec
+
+        lay = {**lay, "layers": model_spec(lay["model"]).num_layers}
+    print(f"model={lay['model']}{tie} layers={lay['layers']} trainer=fsdp{lay['trainers']} (float32) -> vLLM "
+          f"TP{lay['tp']} ({lay['dtype']}), {summary['model_bytes'] / 1e9:.3f} GB in {lay['dtype']}, "
+          f"iters={lay['iters']}, awex_fast and raw over {lay.get('transport', 'gloo')}, median seconds")
+    print(f"{'route':10} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6}  route / awex_fast "
+          "(transfer, total)")
+    ours = summary["routes"].get("awex_fast")
+    for name, r in summary["routes"].items():
+        tr = ("~" if r.get("transfer_estimated") else "") + f"{r['transfer_s']:.3f}"
+        fin = "incl." if name == "disk" else ("-" if r["finalize_s"] is None else f"{r['finalize_s']:.3f}")
+        ratio = ""
+        if ours and name != "awex_fast":
+            ratio = f"{r['transfer_s'] / ours['transfer_s']:.2f}x"
+            if name != "raw":
+                ratio += f", {r['total_s'] / ours['total_s']:.2f}x"
+        print(f"{name:10} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f}  {ratio}")
+    if ours and ours.get("workers_receive_s") is not None:
+        split = ", ".join(f"{k.removeprefix('workers_').removesuffix('_s')} {ours[k]:.3f} s"
+                          for k in ("workers_receive_s", "workers_load_s", "workers_finalize_s")
+                          if ours.get(k) is not None)
+        raw_ratio = summary["ratios"].get("receive_vs_raw")
+        print(f"awex_fast on its slowest worker: {split} (load: vLLM's load_weights and layer processing)"
+              + (f"; receive vs raw: {raw_ratio:.2f}x" if raw_ratio else ""))
+    if summary["raw_bytes"]:
+        print(f"raw moves {summary['raw_bytes']:,} bytes (awex_fast's plan, per pair)")
+    print(f"checksums equal to awex_fast's after every route: {summary['checksums_equal']}"
+          + (f" mismatches: {summary['mismatches']}" if summary["mismatches"] else ""))
+
+
+def bench_vllm_main(argv: list[str] | None = None) -> int:
+    """Entry point of `awex-fast bench --engine vllm`."""
+    import torch.distributed as dist
+
+    args = build_parser().parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(ROUTES)
+    if unknown or "awex_fast" not in methods:
+        raise SystemExit(f"--methods: choose from {', '.join(ROUTES)}, awex_fast included")
+    own_dir = args.workdir is None
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="awex_bench_vllm_"))
+    work.mkdir(parents=True, exist_ok=True)
+    server = None
+    try:
+        t0 = time.perf_counter()
+        write_checkpoint(work / "ckpt", args.model, args.layers, args.dtype, args.untied)
+        print(f"checkpoint written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        t0 = time.perf_counter()
+        server, url = start_server(work / "ckpt", args.tp, args.dtype, work / "server.log", 900)
+        print(f"vLLM TP{args.tp} up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=args.timeout))
+        spec = {"model": args.model, "layers": args.layers, "tp": args.tp, "trainers": args.trainers,
+                "dtype": args.dtype, "untied": args.untied, "iters": args.iters, "methods": methods,
+                "buffer_mb": args.buffer_mb, "transport": args.transport,
+                "url": url, "ckpt": str(work / "ckpt"), "disk_dir": str(work / "disk"),
+                "store_port": store.port, "dist_port": _free_port(), "timeout": args.timeout}
+        roles = [("trainer", r) for r in range(args.trainers)]
+        roles += [("raw", r) for r in range(args.tp)] if "raw" in methods else []
+        procs = {f"{role}{r}": _spawn(role, {**spec, "rank": r, "result": str(work / f"{role}{r}.out.json")},
+                                      work, f"{role}{r}") for role, r in roles}
+        _wait(procs, work, args.timeout)
+        result = json.loads((work / "trainer0.out.json").read_text())
+        raw = None
+        if "raw" in methods:
+            ranks = [json.loads((work / f"raw{r}.out.json").read_text()) for r in range(args.tp)]
+            raw = {"ranks": ranks, "bytes": sum(r["bytes"] for r in ranks)}
+        summary = summarize(result, raw, spec)
+        print_table(summary)
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1))
+        return 0 if summary["checksums_equal"] else 1
+    finally:
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --- trainer rank ---------------------------------------------------------------------------------
+
+
+def _post(url: str, route: str, body: dict, timeout: float) -> Any:
+    import requests
+
+    r = requests.post(url + route, json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json() if r.content else None
+
+
+def _use_backend(url: str, name: str, timeout: float) -> None:
+    _post(url, "/collective_rpc", {"method": "awex_fast_use_backend", "args": [name]}, timeout)
+
+
+def _checksums(url: str, timeout: float) -> dict[str, str]:
+    return _post(url, "/weight_checker", {"action": "checksum"}, timeout)["checksums"]
+
+
+class _Parent:
+    """The parent's TCPStore: barriers between the trainer ranks and the raw receivers, and the
+    per-pair byte counts the raw bound replays."""
+
+    def __init__(self, port: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        self.n: dict[str, int] = {}
+
+    def barrier(self, name: str, world: int) -> None:
+        """Meet ``world`` processes at the next barrier of series ``name``."""
+        self.n[name] = self.n.get(name, 0) + 1
+        key = f"barrier/{name}/{self.n[name]}"
+        self.store.add(key, 1)
+        while self.store.add(key, 0) < world:
+            time.sleep(0.0005)
+
+
+def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dict[int, int] | None,
+                role: str) -> tuple[Any, Any, int]:
+    """Join the raw group (receivers are transfer ranks 0..tp-1, trainer ranks follow) and build
+    `awex_fast.bench.worker._raw` over the pairs of awex_fast's plan."""
+    import torch
+
+    from awex_fast.bench.worker import _raw
+    from awex_fast.transport import init_transfer_group
+
+    tp, world = spec["tp"], spec["tp"] + spec["trainers"]
+    if role == "send":
+        assert pair_bytes is not None
+        parent.store.set(f"raw/pairs/{transfer_rank}", json.dumps(pair_bytes))
+        buckets = [SimpleNamespace(peer=p, payload=n) for p, n in pair_bytes.items()]
+        rp = SimpleNamespace(sends=buckets, recvs=[])
+    else:
+        recvs = []
+        for t in range(tp, world):
+            parent.store.wait([f"raw/pairs/{t}"])
+            pairs = json.loads(parent.store.get(f"raw/pairs/{t}"))
+            if str(transfer_rank) in pairs:
+                recvs.append(SimpleNamespace(peer=t, payload=int(pairs[str(transfer_rank)])))
+        rp = SimpleNamespace(sends=[], recvs=recvs)
+    if transfer_rank == 0:
+        port = _free_port()
+        parent.store.set("raw/port", str(port))
+    else:
+        parent.store.wait(["raw/port"])
+        port = int(parent.store.get("raw/port"))
+    group = init_transfer_group(spec.get("transport", "gloo"), transfer_rank, world, "127.0.0.1", port,
+                                spec["timeout"], group_name="awex_fast_raw")
+    run, nbytes, refresh = _raw(group, rp, torch.device("cpu"))
+    return run, refresh, nbytes
+
+
+def raw_main(spec: dict) -> None:
+    """A stand-in receiver of the raw bound (transfer rank ``spec['rank']``)."""
+    parent = _Parent(spec["store_port"], spec["timeout"])
+    run, _, nbytes = _raw_runner(parent, spec, spec["rank"], None, "recv")
+    world = spec["tp"] + spec["trainers"]
+    times = []
+    for it in range(spec["iters"] + 1):
+        parent.barrier("raw", world)
+        t0 = time.perf_counter()
+        run()
+        if it > 0:
+            times.append(time.perf_counter() - t0)
+    parent.barrier("raw-done", world)
+    Path(spec["result"]).write_text(json.dumps({"times": times, "bytes": nbytes}))
+
+
+def _pair_bytes(engine: Any) -> dict[int, int]:
+    """Bytes awex_fast's plan sends from this trainer rank to each worker (transfer rank)."""
+    ex = engine.adapter._executor
+    return {int(peer): sum(m.nbytes for m in msgs) for peer, msgs in ex._sends.items()}
+
+
+def trainer_main(spec: dict) -> None:
+    """One FSDP2 trainer rank: init every route, time them interleaved, verify, report (rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from awex_fast.vllm import AwexFastTrainerInitInfo
+    from awex_fast.vllm.baselines import BACKEND_NAME as BROADCAST
+    from awex_fast.vllm.baselines import BroadcastTrainerInitInfo
+
+    rank, world, url, timeout = spec["rank"], spec["trainers"], spec["url"], spec["timeout"]
+    methods = spec["methods"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["dist_port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    parent = _Parent(spec["store_port"], timeout)
+    config = AutoConfig.from_pretrained(spec["ckpt"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    source = ModuleSource(model)
+    inf_dtype = getattr(torch, spec["dtype"])
+    model_bytes = sum(p.numel() for p in model.parameters()) * inf_dtype.itemsize
+    client = HTTPVLLMWeightSyncClient(url)
+
+    def rewrite() -> None:
+        with torch.no_grad():
+            for t in locals_:
+                t.neg_()
+
+    awex = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world, transport=spec.get("transport", "gloo")),
+        client=client, source=source)
+    bcast = None
+    if "broadcast" in methods:
+        if rank == 0:
+            _use_backend(url, BROADCAST, timeout)
+        bcast = WeightTransferTrainerFactory.trainer_init(
+            BroadcastTrainerInitInfo(rank=rank, num_workers=spec["tp"], dtype=spec["dtype"],
+                                     buffer_size_bytes=spec["buffer_mb"] << 20, timeout_s=timeout),
+            client=client, source=source)
+        if rank == 0:
+            _use_backend(url, "awex_fast", timeout)
+    dist.barrier()
+    raw = None
+    if "raw" in methods:
+        raw = _raw_runner(parent, spec, spec["tp"] + rank, _pair_bytes(awex), "send")
+    disk_dir = Path(spec["disk_dir"])
+    disk_file = disk_dir / "model.safetensors"
+
+    def run_disk() -> dict[str, float]:
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        full = {}
+        for name, tensor in source:  # the gathers: a collective on every rank
+            if rank == 0:
+                full[name] = tensor.to(inf_dtype)
+        if rank != 0:
+            return {}
+        disk_dir.mkdir(parents=True, exist_ok=True)
+        disk_file.unlink(missing_ok=True)
+        save_file(full, str(disk_file), metadata={"format": "pt"})
+        del full
+        t1 = time.perf_counter()
+        _post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(disk_dir)}},
+              timeout)
+        t2 = time.perf_counter()
+        return {"total": t2 - t0, "save": t1 - t0, "reload": t2 - t1, "finalize": None}
+
+    def run(method: str) -> dict[str, float | None]:
+        t0 = time.perf_counter()
+        if method == "awex_fast":
+            awex.send_weights()
+            lr = awex.last_round
+            out = {"start": lr.get("start_s"), "update": lr.get("update_s"), "send": lr.get("send_s"),
+                   "finalize": lr.get("finish_s")}
+        elif method == "broadcast":
+            assert bcast is not None
+            bcast.send_weights()
+            lr = bcast.last_round
+            out = {"start": lr.get("start_s"), "update": lr.get("update_s"), "finalize": lr.get("finish_s")}
+        elif method == "disk":
+            return run_disk()
+        else:
+            raise ValueError(method)
+        total = time.perf_counter() - t0
+        fin = out.get("finalize")
+        return {**out, "total": total, "transfer": total - fin if fin is not None else total}
+
+    def switch(method: str) -> None:
+        if rank == 0 and method in ("awex_fast", "broadcast"):
+            _use_backend(url, BROADCAST if method == "broadcast" else "awex_fast", timeout)
+
+    times: dict[str, list[dict]] = {m: [] for m in methods if m != "raw"}
+    for it in range(spec["iters"] + 1):
+        for method in methods:
+            if method == "raw":
+                assert raw is not None
+                raw[1]()  # rewrite the send buffers
+                parent.barrier("raw", spec["tp"] + world)
+                raw[0]()
+                continue
+            switch(method)
+            rewrite()
+            dist.barrier()
+            got = run(method)
+            dist.barrier()
+            if rank == 0 and method != "disk":  # each worker's own phases (untimed RPC)
+                workers = _post(url, "/collective_rpc", {"method": "awex_fast_last_timings"}, timeout)
+                for w, t in enumerate(workers.get("results", []) if workers else []):
+                    got.update({f"worker{w}_{k}": v for k, v in (t or {}).items()})
+            if it > 0 and rank == 0:
+                times[method].append(dict(got))
+            if rank == 0:
+                print(f"iter {it} {method}: {json.dumps(got)}", flush=True)
+    if raw is not None:
+        parent.barrier("raw-done", spec["tp"] + world)
+    # Verification: the same weights through every route, the server's checksums after each.
+    sums: dict[str, dict[str, str]] = {}
+    for method in [m for m in methods if m != "raw"] + ["awex_fast"]:
+        switch(method)
+        dist.barrier()
+        run(method)
+        dist.barrier()
+        if rank == 0:
+            got = _checksums(url, timeout)
+            if method in sums and sums[method] != got:
+                sums[method + "_again"] = got
+            sums.setdefault(method, got)
+    mismatches = {}
+    if rank == 0:
+        ref = sums["awex_fast"]
+        for m, s in sums.items():
+            bad = sorted(k for k in ref.keys() | s.keys() if ref.get(k) != s.get(k))
+            if bad:
+                mismatches[m] = bad[:8] + ([f"... {len(bad)} in all"] if len(bad) > 8 else [])
+    if rank == 0:
+        switch("awex_fast")
+    awex.shutdown()
+    if bcast is not None:
+        if rank == 0:
+            _use_backend(url, BROADCAST, timeout)
+        bcast.shutdown()
+    dist.barrier()
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps({
+            "times": times, "model_bytes": model_bytes, "checksums_equal": not mismatches,
+            "mismatches": mismatches}))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m awex_fast.bench.vllm trainer|raw SPEC.json`` (spawned by `bench_vllm_main`)."""
+    if len(argv) == 2 and argv[0] in ("trainer", "raw"):
+        spec = json.loads(Path(argv[1]).read_text())
+        (trainer_main if argv[0] == "trainer" else raw_main)(spec)
+        return 0
+    return bench_vllm_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,21 @@
+"""Planning: the Python face of the native planner (`build_plan`, `Plan`, `RankPlan`), the one
+reader of a plan's op rows, and `simulate` (a whole plan run in one process).
+
+Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
+"""
+
+from __future__ import annotations
+
+from awex_fast._lazy import lazy_exports
+
+_EXPORTS = {
+    "PlanError": "planner",
+    "Bucket": "planner",
+    "RankPlan": "planner",
+    "Plan": "planner",
+    "build_plan": "planner",
+    "unsupported_casts": "planner",
+    "simulate": "simulate",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

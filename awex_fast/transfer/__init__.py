@@ -1,0 +1,18 @@
+"""Moving one rank's plan: `wire` cuts buckets into messages, `boxcopy` packs and unpacks boxes
+(one native batched strided copy per message, casting), `executor` runs the pipelined exchange.
+
+Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
+"""
+
+from __future__ import annotations
+
+from awex_fast._lazy import lazy_exports
+
+_EXPORTS = {
+    "Executor": "executor",
+    "PlanMismatchError": "executor",
+    "check_local_tensors": "executor",
+    "wire_buckets": "wire",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
