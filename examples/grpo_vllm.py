@@ -138,9 +138,14 @@ def trainer_main(args: argparse.Namespace) -> None:
     import torch
     from tensordict import TensorDict
 
-    from python_engines.api import FinetuneSpec, GenerationHyperparameters, LLMRequest, WeightUpdateMeta
+    from python_engines.api import (
+        FinetuneSpec,
+        GenerationHyperparameters,
+        InferenceEngineConfig,
+        LLMRequest,
+        WeightUpdateMeta,
+    )
     from python_engines.inference import RemotevLLMEngine
-    from python_engines.inference.remote import InferenceEngineConfig
     from python_engines.train import FSDPEngineConfig, FSDPTrainEngine, OptimizerConfig
 
     rank = int(os.environ["RANK"])

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from awex_fast.net import ADMIN_KEY_ENV
+
 if TYPE_CHECKING:
     import torch.distributed as dist
     from tensordict import TensorDict
@@ -62,7 +64,6 @@ __all__ = [
 #: Name of the file, inside ``WeightUpdateMeta.path``, that announces a complete disk update.
 WEIGHT_VERSION_MARKER = "awex_weight_version.json"
 
-_ADMIN_KEY_ENV = "AWEX_FAST_ADMIN_KEY"
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class WeightUpdateMeta:
         ``admin_api_key`` defaults to the ``AWEX_FAST_ADMIN_KEY`` environment variable.
         """
         if admin_api_key is None:
-            admin_api_key = os.environ.get(_ADMIN_KEY_ENV)
+            admin_api_key = os.environ.get(ADMIN_KEY_ENV)
         return cls(
             type="awex",
             nccl_master_address=master_address,
@@ -576,3 +577,42 @@ class RolloutWorkflow(abc.ABC):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | None:
         """Run one episode on ``data``; return its trajectory, or None to reject the episode."""
         raise NotImplementedError
+
+
+@dataclass
+class InferenceEngineConfig:
+    """Client-side rollout settings (AReaL's names). ``max_concurrent_rollouts`` defaults to
+    ``consumer_batch_size`` and ``queue_size`` to 16 x ``max_concurrent_rollouts``."""
+
+    max_concurrent_rollouts: int | None = None
+    queue_size: int | None = None
+    consumer_batch_size: int = 1
+    max_head_offpolicyness: int = 0
+    setup_timeout: float = 120.0
+    request_timeout: float = 3600.0
+    request_retries: int = 3
+    server_addrs: list[str] = field(default_factory=list)
+    admin_api_key: str | None = None
+    retry_backoff: float = 0.2
+    num_clients: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.consumer_batch_size < 1:
+            raise ValueError(f"InferenceEngineConfig.consumer_batch_size must be >= 1, got "
+                             f"{self.consumer_batch_size}")
+        if self.max_head_offpolicyness < 0:
+            raise ValueError(f"InferenceEngineConfig.max_head_offpolicyness must be >= 0, got "
+                             f"{self.max_head_offpolicyness}")
+        if self.max_concurrent_rollouts is None:
+            self.max_concurrent_rollouts = self.consumer_batch_size
+        if self.queue_size is None:
+            self.queue_size = 16 * self.max_concurrent_rollouts
+        if self.max_concurrent_rollouts < 1 or self.queue_size < 1:
+            raise ValueError("InferenceEngineConfig: max_concurrent_rollouts "
+                             f"({self.max_concurrent_rollouts}) and queue_size ({self.queue_size}) "
+                             "must be >= 1")
+        if self.request_retries < 0:
+            raise ValueError(f"InferenceEngineConfig.request_retries must be >= 0, got "
+                             f"{self.request_retries}")
+        if self.admin_api_key is None:
+            self.admin_api_key = os.environ.get(ADMIN_KEY_ENV)

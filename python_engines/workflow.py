@@ -48,7 +48,7 @@ from awex_fast.net import EventLoopThread
 from python_engines.api import GenerationHyperparameters, InferenceEngine, LLMRequest, RolloutWorkflow
 
 if TYPE_CHECKING:
-    from python_engines.inference.remote import InferenceEngineConfig
+    from python_engines.api import InferenceEngineConfig
 
 __all__ = ["RLVRWorkflow", "RolloutStat", "WorkflowExecutor", "concat_padded"]
 

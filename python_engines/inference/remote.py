@@ -45,11 +45,9 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -58,6 +56,7 @@ from awex_fast.net import EventLoopThread, auth_headers, backoff_delay, error_me
 from python_engines.api import (
     FinetuneSpec,
     InferenceEngine,
+    InferenceEngineConfig,
     LLMRequest,
     LLMResponse,
     RolloutWorkflow,
@@ -70,47 +69,6 @@ if TYPE_CHECKING:
 
 __all__ = ["GenerationRefused", "InferenceEngineConfig", "RemoteInferenceEngine", "ServerError",
            "WeightSyncJoinError"]
-
-_ADMIN_KEY_ENV = "AWEX_FAST_ADMIN_KEY"
-
-
-@dataclass
-class InferenceEngineConfig:
-    """Client-side rollout settings (AReaL's names). ``max_concurrent_rollouts`` defaults to
-    ``consumer_batch_size`` and ``queue_size`` to 16 x ``max_concurrent_rollouts``."""
-
-    max_concurrent_rollouts: int | None = None
-    queue_size: int | None = None
-    consumer_batch_size: int = 1
-    max_head_offpolicyness: int = 0
-    setup_timeout: float = 120.0
-    request_timeout: float = 3600.0
-    request_retries: int = 3
-    server_addrs: list[str] = field(default_factory=list)
-    admin_api_key: str | None = None
-    retry_backoff: float = 0.2
-    num_clients: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.consumer_batch_size < 1:
-            raise ValueError(f"InferenceEngineConfig.consumer_batch_size must be >= 1, got "
-                             f"{self.consumer_batch_size}")
-        if self.max_head_offpolicyness < 0:
-            raise ValueError(f"InferenceEngineConfig.max_head_offpolicyness must be >= 0, got "
-                             f"{self.max_head_offpolicyness}")
-        if self.max_concurrent_rollouts is None:
-            self.max_concurrent_rollouts = self.consumer_batch_size
-        if self.queue_size is None:
-            self.queue_size = 16 * self.max_concurrent_rollouts
-        if self.max_concurrent_rollouts < 1 or self.queue_size < 1:
-            raise ValueError("InferenceEngineConfig: max_concurrent_rollouts "
-                             f"({self.max_concurrent_rollouts}) and queue_size ({self.queue_size}) "
-                             "must be >= 1")
-        if self.request_retries < 0:
-            raise ValueError(f"InferenceEngineConfig.request_retries must be >= 0, got "
-                             f"{self.request_retries}")
-        if self.admin_api_key is None:
-            self.admin_api_key = os.environ.get(_ADMIN_KEY_ENV)
 
 
 class ServerError(RuntimeError):

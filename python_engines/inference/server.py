@@ -50,14 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from awex_fast.net import ADMIN_KEY_ENV
 from python_engines.inference.scheduler import Scheduler
 from python_engines.inference.worker import Worker
 
 __all__ = ["ADMIN_KEY_ENV", "EngineLoop", "ServerConfig", "ServerHandle", "UpdateFailed", "launch_server"]
 
 logger = logging.getLogger(__name__)
-
-ADMIN_KEY_ENV = "AWEX_FAST_ADMIN_KEY"
 
 
 @dataclass
