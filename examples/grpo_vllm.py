@@ -27,20 +27,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from awex_fast.net import free_port
+
 VOCAB = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_model(path: Path, seed: int) -> None:
@@ -66,7 +61,7 @@ def start_vllm(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """``vllm serve`` (CPU, TP2, bfloat16) with the awex_fast backend; returns (process, url)."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     cmd = [
@@ -275,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM TP2 serving {model} at {url}", flush=True)
     procs = []
     try:
-        port = _free_port()
+        port = free_port()
         for rank in range(2):
             env = dict(
                 os.environ,
