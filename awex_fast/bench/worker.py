@@ -293,21 +293,47 @@ def _runners(spec: dict, parent: dist.Store, rank: int, ex: Executor, rp: Any, g
     return runners
 
 
-def _time_method(spec: dict, runner: tuple, barrier: Barrier) -> tuple[list[float], list[float]]:
-    """Wall and CPU seconds of one method's iterations (iteration 0 is the warm-up, not kept)."""
-    fn, _, before = runner
-    wall: list[float] = []
-    cpu: list[float] = []
+def _timed_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier) -> tuple[dict, dict]:
+    """Wall and CPU seconds of every method, interleaved: iteration ``i`` runs the methods rotated
+    by ``i`` (A B C, B C A, ...), so load that comes and goes on the host falls on all of them and
+    each iteration's ratios compare neighbours. Iteration 0 is the warm-up and is not kept."""
+    methods = list(spec["methods"])
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
     for it in range(spec["iters"] + 1):
+        k = it % len(methods)
+        for method in methods[k:] + methods[:k]:
+            fn, _, before = runners[method]
+            if before is not None:
+                before()
+            barrier()
+            t1, c1 = time.perf_counter(), time.process_time()
+            fn()
+            if it > 0:
+                times[method].append(time.perf_counter() - t1)
+                cpu[method].append(time.process_time() - c1)  # every thread of this process
+    return times, cpu
+
+
+def _verify_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier, train: list, infer: list,
+                   rank: int, tensors: dict[str, torch.Tensor]) -> bool:
+    """One more, untimed, round of each method that writes the inference weights, each checked on
+    the inference ranks before the next one overwrites them."""
+    is_train = rank >= spec["n_infer"]
+    # the training weights are negated before every awex_fast round, this one included
+    syncs = spec["iters"] + 2 if "awex_fast" in spec["methods"] else 0
+    expected = {"awex_fast": syncs, "naive": syncs, "awex": 0}  # Awex resends its iteration-0 copy
+    verified = True
+    for method in [m for m in ("awex_fast", "naive", "awex") if m in spec["methods"]]:
+        fn, _, before = runners[method]
         if before is not None:
             before()
         barrier()
-        t1, c1 = time.perf_counter(), time.process_time()
         fn()
-        if it > 0:
-            wall.append(time.perf_counter() - t1)
-            cpu.append(time.process_time() - c1)  # every thread of this process
-    return wall, cpu
+        barrier()
+        if not is_train:
+            verified = verify(train, infer, rank, tensors, expected[method]) and verified
+    return verified
 
 
 def main(spec_path: str) -> int:
@@ -317,7 +343,6 @@ def main(spec_path: str) -> int:
     parent = dist.TCPStore("127.0.0.1", spec["port"], is_master=False,
                            timeout=datetime.timedelta(seconds=spec["timeout"]))
     barrier = Barrier(parent, world)
-    is_train = rank >= n_infer
     if spec.get("copy_threads"):
         afc.set_num_threads(spec["copy_threads"])
     train, infer = layouts(spec)
@@ -332,15 +357,8 @@ def main(spec_path: str) -> int:
                   **{k: spec[k] for k in ("message_bytes", "solo_bytes") if spec.get(k)})
     ex.handshake()
     runners = _runners(spec, parent, rank, ex, rp, group, train, infer, tensors, dev)
-    times: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
-    verified = True
-    for method in spec["methods"]:  # each result is checked before the next method overwrites it
-        times[method], cpu[method] = _time_method(spec, runners[method], barrier)
-        if method == "awex_fast" and not is_train:  # negations applied so far: iters + 1
-            verified = verify(train, infer, rank, tensors, spec["iters"] + 1)
-        if method == "awex" and not is_train:  # Awex resent the iteration-0 weights every time
-            verified = verify(train, infer, rank, tensors, 0) and verified
+    times, cpu = _timed_rounds(spec, runners, barrier)
+    verified = _verify_rounds(spec, runners, barrier, train, infer, rank, tensors)
     barrier()
     group.close()
     if dist.is_initialized():
