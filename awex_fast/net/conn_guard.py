@@ -80,13 +80,13 @@ class ServeLimits:
             raise ValueError(f"ServeLimits.fd_headroom must be >= 0, got {self.fd_headroom}")
 
     def effective_max_connections(self) -> int:
-        """``max_connections``, lowered to ``soft RLIMIT_NOFILE - headroom`` (at least 4) so that
+        """``max_connections``, lowered to ``soft RLIMIT_NOFILE - headroom`` (but not below 4) so that
         open connections can never exhaust the process's file descriptors."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
             return self.max_connections
         headroom = self.fd_headroom if self.fd_headroom is not None else max(self.backlog + 64, soft // 4)
-        return max(4, min(self.max_connections, soft - headroom))
+        return min(self.max_connections, max(4, soft - headroom))
 
 
 def raw_json_answer(status: int, reason: str, payload: dict[str, Any], *, retry_after: bool = False) -> bytes:
