@@ -1,8 +1,8 @@
 """Connection limits of every awex_fast server (`awex_fast.net.conn_guard` behind `serve_app`),
 and the KV store's key and byte caps as server arguments and ``kv-server`` options.
 
-Real servers on 127.0.0.1, real sockets: a ``kv-server`` subprocess under a 256-descriptor limit
-flooded with more silent and half-sent connections than it has descriptors must keep answering
+Real servers on 127.0.0.1, real sockets: a ``kv-server`` subprocess under a 256- or 1,024-descriptor
+limit flooded with more silent and half-sent connections than it has descriptors must keep answering
 ``/health`` at once, stay below its limit (counted in ``/proc/<pid>/fd``), close the stalled
 sockets after its idle and header timeouts, and log a few lines at most. In-process servers
 check each limit alone: a slow-loris head (408 after the header timeout), a stalled body (408
@@ -40,7 +40,6 @@ from awex_fast.net import (
 
 KEY = "limits-admin-key"
 REPO = Path(__file__).resolve().parents[2]
-CHILD_FD_LIMIT = 256
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -111,17 +110,19 @@ sys.exit(kv_server_main(sys.argv[2:]))
 """
 
 
-@pytest.fixture
-def limited_kv_server():
+@pytest.fixture(params=[(256, 612), (1024, 1100)], ids=["256fds-612stalled", "1024fds-1100stalled"])
+def limited_kv_server(request):
+    """A kv-server subprocess under a lowered fd limit: (process, url, fd limit, flood size)."""
+    fd_limit, flood = request.param
     env = dict(os.environ, AWEX_FAST_ADMIN_KEY=KEY,
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     args = ["--idle-timeout", "2", "--header-timeout", "1", "--max-keys", "3", "--max-total-mb", "0.01"]
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(CHILD_FD_LIMIT), "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(fd_limit), "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), (url, proc.poll())
-        yield proc, url
+        yield proc, url, fd_limit, flood
     finally:
         proc.terminate()
         try:
@@ -134,9 +135,8 @@ def limited_kv_server():
 
 
 def test_stalled_flood_leaves_health_answering_and_fds_bounded(limited_kv_server):
-    proc, url = limited_kv_server
+    proc, url, fd_limit, flood = limited_kv_server
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    flood = 2 * CHILD_FD_LIMIT + 100
     if soft < flood + 100:  # this (test) process holds the client ends
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, flood + 200), hard))
     stalled: list[socket.socket] = []
@@ -147,7 +147,7 @@ def test_stalled_flood_leaves_health_answering_and_fds_bounded(limited_kv_server
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
             stalled.append(sock)
         fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
-        assert fds < CHILD_FD_LIMIT, f"the server holds {fds} descriptors under a limit of {CHILD_FD_LIMIT}"
+        assert fds < fd_limit, f"the server holds {fds} descriptors under a limit of {fd_limit}"
         for _ in range(5):  # health answers at once, each time, with the flood still connected
             status, body, took = _get(url, "/health")
             assert (status, body) == (200, {"status": "healthy"})
