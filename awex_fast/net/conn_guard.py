@@ -58,7 +58,8 @@ class ServeLimits:
     ``header_timeout_s``: seconds from a request head's first byte to its end.
     ``max_connections``: the configured cap; `effective_max_connections` lowers it to fit the
     fd limit. ``fd_headroom``: descriptors kept free below the soft ``RLIMIT_NOFILE`` (None:
-    ``max(backlog + 64, soft // 4)``). ``backlog``: the listening socket's accept queue.
+    see `effective_max_connections`). ``backlog``: the listening socket's accept queue, lowered
+    for small fd limits by `effective_backlog`.
     """
 
     idle_timeout_s: float = 60.0
@@ -79,13 +80,30 @@ class ServeLimits:
         if self.fd_headroom is not None and self.fd_headroom < 0:
             raise ValueError(f"ServeLimits.fd_headroom must be >= 0, got {self.fd_headroom}")
 
+    def _soft_fd_limit(self) -> int | None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return None if soft == resource.RLIM_INFINITY else int(soft)
+
+    def effective_backlog(self) -> int:
+        """``backlog``, lowered to ``soft RLIMIT_NOFILE // 8`` (but not below 16): asyncio accepts
+        up to a backlog's worth of sockets in one go, each a descriptor before the guard sees it.
+        (A shorter queue overflows sooner under a connection burst; clients then retry their
+        SYN after a second.)"""
+        soft = self._soft_fd_limit()
+        return self.backlog if soft is None else min(self.backlog, max(16, soft // 8))
+
     def effective_max_connections(self) -> int:
         """``max_connections``, lowered to ``soft RLIMIT_NOFILE - headroom`` (but not below 4) so that
-        open connections can never exhaust the process's file descriptors."""
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
+        open connections can never exhaust the process's file descriptors. The default headroom,
+        ``max(3 * backlog + 64, soft // 4)``, covers the sockets in flight beyond the cap: one
+        accepted batch waiting for its transports, one waiting for ``connection_made``, and the
+        connections evicted for them, which asyncio closes one loop turn later."""
+        soft = self._soft_fd_limit()
+        if soft is None:
             return self.max_connections
-        headroom = self.fd_headroom if self.fd_headroom is not None else max(self.backlog + 64, soft // 4)
+        headroom = self.fd_headroom
+        if headroom is None:
+            headroom = max(3 * self.effective_backlog() + 64, soft // 4)
         return min(self.max_connections, max(4, soft - headroom))
 
 

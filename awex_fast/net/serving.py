@@ -94,7 +94,7 @@ async def serve_app(
         assert runner.server is not None  # set by setup()
         guard = ConnectionGuard(runner.server, limits, name=name)
         server = await asyncio.get_running_loop().create_server(
-            guard.protocol_factory, host, port, backlog=limits.backlog)
+            guard.protocol_factory, host, port, backlog=limits.effective_backlog())
     except BaseException:
         await runner.cleanup()
         raise
