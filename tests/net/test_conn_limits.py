@@ -36,6 +36,7 @@ from awex_fast.net import (
     KVStoreServer,
     ServeLimits,
     json_error_middleware,
+    kv_server_main,
 )
 
 KEY = "limits-admin-key"
@@ -311,8 +312,24 @@ def test_server_key_and_byte_caps_answer_413_naming_the_limit():
         with pytest.raises(KVRequestError, match="max_total_bytes") as info:
             kv.put("p", "a", "x" * 2000)
         assert info.value.status == 413
+        conn = http.client.HTTPConnection(*_host_port(srv.url), timeout=5)
+        try:  # the JSON body names the cap and its value
+            conn.request("PUT", "/weight_meta/p/c", body=b'{"value": 3}',
+                         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+        finally:
+            conn.close()
+        assert resp.status == 413 and body["store_full"] is True, body
+        assert body["limit"] == "max_keys" and body["max_keys"] == 2, body
     with pytest.raises(ValueError, match="KVStore you give"):
         KVStoreServer(admin_api_key=KEY, store=srv.store, max_keys=3)
+
+
+def test_cli_refuses_bad_limits():
+    for bad in (["--idle-timeout", "0"], ["--header-timeout", "-1"], ["--max-connections", "0"],
+                ["--max-keys", "0"], ["--max-total-mb", "0"]):
+        assert kv_server_main(["--admin-key", "k", "--port", "0", *bad]) == 2, bad
 
 
 def test_serve_limits_validate_and_stay_below_the_fd_limit():
