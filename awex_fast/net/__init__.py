@@ -1,5 +1,8 @@
-"""HTTP: the KV store (server and clients) every join meets through, and the aiohttp helpers
-(auth, JSON errors, retries with backoff, background servers and event loops) all servers share.
+"""HTTP: the KV store every join meets through (`kvstore`: the store and its errors;
+`kv_server`: routes, server, CLI; `kv_client`: clients), and the aiohttp helpers all servers
+share (`httputil`: auth, JSON errors and bodies, retries with backoff, event-loop threads;
+`serving`: serving an app, in a loop or a background thread, behind the connection limits of
+`conn_guard`).
 
 Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
 """
@@ -19,10 +22,11 @@ _EXPORTS = {
     "KVRequestError": "kvstore",
     "KVUnavailableError": "kvstore",
     "KVTimeoutError": "kvstore",
-    "KVStoreServer": "kvstore",
-    "AsyncKVStoreClient": "kvstore",
-    "KVStoreClient": "kvstore",
-    "kv_server_main": "kvstore",
+    "KVStoreServer": "kv_server",
+    "add_kv_routes": "kv_server",
+    "kv_server_main": "kv_server",
+    "AsyncKVStoreClient": "kv_client",
+    "KVStoreClient": "kv_client",
     "json_error": "httputil",
     "json_error_middleware": "httputil",
     "auth_headers": "httputil",
@@ -32,10 +36,12 @@ _EXPORTS = {
     "backoff_delay": "httputil",
     "error_message": "httputil",
     "request_with_retries": "httputil",
-    "serve_app": "httputil",
     "EventLoopThread": "httputil",
-    "BackgroundServer": "httputil",
-    "serve_until_signal": "httputil",
+    "ServeLimits": "conn_guard",
+    "serve_app": "serving",
+    "ServedApp": "serving",
+    "BackgroundServer": "serving",
+    "serve_until_signal": "serving",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

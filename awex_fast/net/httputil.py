@@ -13,9 +13,6 @@ security and hang bugs happen:
 - **JSON errors everywhere** (:func:`json_error`, :func:`json_error_middleware`): aiohttp's own
   404/405 and unexpected handler exceptions become ``{"error": ...}`` too, so clients parse one
   shape.
-- **Serving without owning the process** (:func:`serve_app`, :class:`BackgroundServer`): bind
-  ``127.0.0.1`` port 0 (never a hard-coded port), report the port the OS chose, either inside a
-  running loop or on a private loop thread for synchronous callers.
 - **Client retries** (:func:`request_with_retries`): connection errors, timeouts and 5xx are
   retried a bounded number of times with exponential backoff; 4xx answers never are (asking
   again would not change them). :class:`RetriesExhausted` says what failed, how often, for how
@@ -23,6 +20,7 @@ security and hang bugs happen:
 - **Calling async code from plain threads** (:class:`EventLoopThread`): one private loop per
   owner, with bounded waits and a guard against the self-deadlock of waiting on one's own loop.
 
+Serving an app (port 0, connection limits, background threads) is `awex_fast.net.serving`.
 Nothing here serialises Python objects other than through ``json``.
 """
 
@@ -35,9 +33,6 @@ import hmac
 import json
 import logging
 import math
-import signal
-import socket
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -47,10 +42,8 @@ import aiohttp
 from aiohttp import web
 
 __all__ = [
-    "BackgroundServer",
     "EventLoopThread",
     "RetriesExhausted",
-    "ServedApp",
     "auth_headers",
     "backoff_delay",
     "check_bearer",
@@ -59,7 +52,6 @@ __all__ = [
     "json_error_middleware",
     "read_json_body",
     "request_with_retries",
-    "serve_app",
 ]
 
 logger = logging.getLogger(__name__)
@@ -284,57 +276,6 @@ async def request_with_retries(
                            f"{reason}", attempts=attempts, elapsed_s=elapsed, status=status, reason=reason)
 
 
-def _connectable_host(host: str) -> str:
-    """Host part of a URL others can use to reach a socket bound to ``host``."""
-    if host in ("", "0.0.0.0", "::"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; picks the route
-                host = probe.getsockname()[0]
-        except OSError:
-            host = "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
-
-
-class ServedApp:
-    """An aiohttp application listening inside the current event loop (see :func:`serve_app`).
-
-    ``host``/``port``/``url`` give the real address; ``await close()`` stops listening,
-    waits up to ``shutdown_timeout`` seconds for in-flight requests and runs cleanup hooks.
-    """
-
-    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
-        """Wrap a started runner; use :func:`serve_app` instead of calling this."""
-        self.runner = runner
-        self.host = host
-        self.port = port
-        self.url = f"http://{_connectable_host(host)}:{port}"
-
-    async def close(self) -> None:
-        """Stop listening and release the runner (idempotent)."""
-        await self.runner.cleanup()
-
-
-async def serve_app(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 2.0
-) -> ServedApp:
-    """Start ``app`` on ``host:port`` in the running loop and return once it is listening.
-
-    ``port=0`` asks the OS for a free port; the returned :class:`ServedApp` reports it. Startup
-    failures (address in use, bad host) raise ``OSError`` after the runner is cleaned up.
-    """
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    # One TCPSite on one host: its first socket's port is the port (same for IPv4 and IPv6).
-    return ServedApp(runner, host, int(runner.addresses[0][1]))
-
-
 class EventLoopThread:
     """A private asyncio event loop on a daemon thread; run coroutines on it from any thread.
 
@@ -415,108 +356,3 @@ class EventLoopThread:
                 loop.call_soon_threadsafe(loop.stop)
         if not self.in_loop_thread():
             self._thread.join(timeout)
-
-
-class BackgroundServer:
-    """Serve an aiohttp app from a private loop thread, for synchronous code and tests.
-
-    ``start()`` returns once the socket listens (``.port``/``.url`` then give the address the OS
-    chose for ``port=0``); ``stop()`` shuts it down; it is also a context manager. ``app`` is an
-    ``aiohttp.web.Application`` or a zero-argument factory returning one (a factory lets one
-    object be started again after ``stop()``, since an app can be run only once).
-    """
-
-    def __init__(
-        self,
-        app: web.Application | Callable[[], web.Application],
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        name: str = "awex-fast-http",
-        shutdown_timeout: float = 2.0,
-    ) -> None:
-        """Configure the server; nothing listens until :meth:`start`."""
-        self._app = app
-        self.host = host
-        self.requested_port = port
-        self.name = name
-        self.shutdown_timeout = shutdown_timeout
-        self._loop_thread: EventLoopThread | None = None
-        self._served: ServedApp | None = None
-
-    @property
-    def running(self) -> bool:
-        """True between a successful :meth:`start` and :meth:`stop`."""
-        return self._served is not None
-
-    @property
-    def port(self) -> int:
-        """The port the server listens on (raises before :meth:`start`)."""
-        return self._require().port
-
-    @property
-    def url(self) -> str:
-        """``http://host:port`` of the running server (raises before :meth:`start`)."""
-        return self._require().url
-
-    def _require(self) -> ServedApp:
-        if self._served is None:
-            raise RuntimeError(f"server {self.name!r} is not running; call start() first")
-        return self._served
-
-    def start(self, timeout: float = 30.0) -> BackgroundServer:
-        """Bind and listen; returns ``self`` once requests are accepted. Raises ``OSError`` if
-        the address cannot be bound, ``RuntimeError`` if already running."""
-        if self._served is not None:
-            raise RuntimeError(f"server {self.name!r} is already running at {self._served.url}")
-        app = self._app if isinstance(self._app, web.Application) else self._app()
-        loop_thread = EventLoopThread(name=self.name)
-        try:
-            self._served = loop_thread.run(
-                serve_app(app, self.host, self.requested_port, shutdown_timeout=self.shutdown_timeout),
-                timeout,
-            )
-        except BaseException:
-            loop_thread.stop()
-            raise
-        self._loop_thread = loop_thread
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop serving and join the loop thread (idempotent)."""
-        served, loop_thread = self._served, self._loop_thread
-        self._served = self._loop_thread = None
-        if loop_thread is None:
-            return
-        try:
-            if served is not None:
-                loop_thread.run(served.close(), timeout)
-        finally:
-            loop_thread.stop(timeout)
-
-    def __enter__(self) -> BackgroundServer:
-        """Start the server (``with BackgroundServer(app) as srv: ...``)."""
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        """Stop the server."""
-        self.stop()
-
-
-async def serve_until_signal(url: str, banner: str, close: Callable[[], Awaitable[Any]]) -> int:
-    """What every ``awex-fast`` server command does once it listens: print ``url`` as the first
-    stdout line (so a parent that asked for port 0 learns the port), ``banner`` on stderr, wait
-    for SIGINT or SIGTERM, then ``await close()``. Returns the exit code 0."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        print(url, flush=True)
-        print(banner, file=sys.stderr, flush=True)
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await close()
-    return 0

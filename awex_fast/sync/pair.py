@@ -45,8 +45,14 @@ from aiohttp import web
 
 from awex_fast.meta import ParameterMeta, merge_metas, metas_from_json
 from awex_fast.net import (
+    ADMIN_KEY_ENV,
+    AsyncKVStoreClient,
     EventLoopThread,
+    KVStore,
+    KVStoreClient,
+    KVTimeoutError,
     RetriesExhausted,
+    add_kv_routes,
     auth_headers,
     check_bearer,
     error_message,
@@ -56,14 +62,6 @@ from awex_fast.net import (
     request_with_retries,
     serve_app,
     serve_until_signal,
-)
-from awex_fast.net.kvstore import (
-    ADMIN_KEY_ENV,
-    AsyncKVStoreClient,
-    KVStore,
-    KVStoreClient,
-    KVTimeoutError,
-    add_kv_routes,
 )
 from awex_fast.sync.adapters import (
     INFER_META_KEY,
