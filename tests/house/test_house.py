@@ -157,7 +157,8 @@ def _exports(package: str) -> set[str]:
     """A package's public names: its ``_EXPORTS`` keys, or its ``__all__``."""
     tree = ast.parse(SOURCES[package].read_text())
     for node in tree.body:
-        targets = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+        assigned = getattr(node, "targets", [getattr(node, "target", None)])
+        targets = [t.id for t in assigned if isinstance(t, ast.Name)]
         if "_EXPORTS" in targets and isinstance(node.value, ast.Dict):
             return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
     for node in tree.body:
@@ -194,7 +195,7 @@ def test_python_files_and_functions_are_small():
         text = path.read_text()
         lines = text.count("\n") + 1
         rel = path.relative_to(ROOT)
-        if lines > MAX_FILE_LINES and not rel.parts[0] == "tests":
+        if lines > MAX_FILE_LINES and rel.parts[0] != "tests":
             long.append(f"{rel}: {lines} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -205,7 +206,8 @@ def test_python_files_and_functions_are_small():
 
 
 _SIGNATURE = re.compile(r"\)\s*(const\s*)?(noexcept\s*)?(override\s*)?(->\s*[\w:<>, ]+\s*)?$")
-_NOT_FUNCTION = re.compile(r"^\s*(namespace|struct|class|enum|union|extern|if|for|while|switch|else|do|try)\b")
+_NOT_FUNCTION = re.compile(
+    r"^\s*(namespace|struct|class|enum|union|extern|if|for|while|switch|else|do|try)\b")
 
 
 def _cpp_functions(text: str) -> list[tuple[str, int, int]]:
@@ -219,7 +221,8 @@ def _cpp_functions(text: str) -> list[tuple[str, int, int]]:
             line += 1
         if ch == "{":
             head = " ".join(statement.split())
-            is_function = bool(_SIGNATURE.search(head)) and not _NOT_FUNCTION.match(head) and "=" not in head.split("(")[0]
+            is_function = (bool(_SIGNATURE.search(head)) and not _NOT_FUNCTION.match(head)
+                           and "=" not in head.split("(")[0])
             opened.append((is_function and not any(f for f, _, _ in opened), head, line))
             depth += 1
             statement = ""
@@ -254,7 +257,8 @@ def test_the_cpp_function_finder_sees_functions():
     # the size check above is only as good as this parser: it must find real bodies in real files
     text = (ROOT / "csrc" / "bindings.cpp").read_text()
     assert _cpp_functions(text), "no function found in csrc/bindings.cpp"
-    sample = "int f(int a) {\n  if (a) {\n    return 1;\n  }\n  return 0;\n}\nstruct S { int g() const { return 1; } };\n"
+    sample = ("int f(int a) {\n  if (a) {\n    return 1;\n  }\n  return 0;\n}\n"
+              "struct S { int g() const { return 1; } };\n")
     assert [(start, span) for _, start, span in _cpp_functions(sample)] == [(1, 6), (7, 1)]
 
 
@@ -276,5 +280,6 @@ def test_no_pickle(package):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in banned]
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            found += [f"{where} {n}" for n in names if n.split(".")[0] in banned]
     assert found == []
