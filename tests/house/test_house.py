@@ -280,6 +280,6 @@ def test_no_pickle(package):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
-            found += [f"{where} {n}" for n in names if n.split(".")[0] in banned]
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}"
+                      for n in names if n.split(".")[0] in banned]
     assert found == []
