@@ -22,7 +22,7 @@ Segments (``/dev/shm/awex_ipc_<token>_p<owner pid>_...``) are created by their o
 doorbell) or the receiver (a channel), named in the group's rendezvous store, and unlinked as
 soon as the peer mapped them. A process killed before that (during init, or after making a
 channel its sender never mapped) cannot unlink its own: every init first reaps such orphans
-(`awex_fast.sync.colocate.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
+(`awex_fast.transport.shm.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
 was released by the kernel). Every rank must see the same /dev/shm (one host, one mount
 namespace): the group checks at init by opening every peer's doorbell, and refuses with a
 message that names the rank it cannot reach; a rank that dies during init is named too.
@@ -44,8 +44,8 @@ import torch
 from torch.distributed import DistError, DistStoreError
 
 from awex_fast._native import native
-from awex_fast.sync.colocate import ColocateError, SharedSegment, pid_alive, reap_orphans
 from awex_fast.transport.base import check_peer, make_store, timedelta
+from awex_fast.transport.shm import SegmentError, SharedSegment, pid_alive, reap_orphans
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
 _CLOSED_AT = 64  # byte offset, in a rank's doorbell segment, of its "group closed" word
@@ -55,7 +55,7 @@ _MAGIC = 0x617765785F697063  # "awex_ipc"
 CHUNK_BYTES = 4 << 20  # slot size of the isend/irecv channel
 CHUNK_SLOTS = 4
 PREFIX = "awex_ipc_"  # every segment of this backend: /dev/shm/awex_ipc_<token>_p<owner pid>_...
-_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.sync.colocate.reap_orphans)
+_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.transport.shm.reap_orphans)
 _INIT_POLL_S = 0.1  # how often init looks at the pids of the ranks it waits for
 
 
@@ -317,7 +317,7 @@ class IpcTransferGroup:
         self._pids[peer] = int(info["pid"])
         try:
             self._peer_bells[peer] = SharedSegment(info["bell"], 4096, create=False)
-        except ColocateError as exc:
+        except SegmentError as exc:
             self._raise_if_failed()
             if not pid_alive(self._pids[peer]):
                 raise RuntimeError(
@@ -434,7 +434,7 @@ class IpcTransferGroup:
         info = json.loads(self.store.get(key))
         try:
             seg = SharedSegment(info["name"], int(info["size"]), create=False)
-        except ColocateError as exc:
+        except SegmentError as exc:
             raise RuntimeError(
                 f"ipc: channel {name!r} of rank {peer} is gone before rank {self.rank} mapped it "
                 "(the receiver exited or closed its group)"
