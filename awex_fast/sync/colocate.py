@@ -39,7 +39,7 @@ import base64
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,9 @@ from awex_fast._native import native
 from awex_fast.meta import dtype_name
 from awex_fast.transfer import boxcopy as afc
 from awex_fast.transport.shm import SegmentError, SharedSegment, create_segment, find_segment, open_segment
+
+if TYPE_CHECKING:
+    from awex_fast.plan.planner import RankPlan
 
 HANDLES_FORMAT = "awex_fast.sync.colocate/1"
 _ALIGN = 64  # byte alignment of tensors inside a shared segment
@@ -294,23 +297,13 @@ class _Box:
     dst: tuple[slice, ...]
 
 
-def plan_boxes(rank_plan: Any) -> dict[int, list[_Box]]:
+def plan_boxes(rank_plan: RankPlan) -> dict[int, list[_Box]]:
     """Per training peer, the boxes ``rank_plan`` (an inference rank's `RankPlan`) receives, each
     with its source slices (the trainer's local coordinates) and destination slices (ours)."""
-    from awex_fast.plan import planner as P
-
     out: dict[int, list[_Box]] = {}
-    d, b0 = rank_plan.max_ndim, P.OP_BOXES
-    for row in rank_plan.ops.tolist():
-        if row[P.OP_KIND] != P.RECV:
-            continue
-        nd = row[P.OP_NDIM]
-        src, dst, shape = row[b0 : b0 + nd], row[b0 + d : b0 + d + nd], row[b0 + 2 * d : b0 + 2 * d + nd]
-        out.setdefault(row[P.OP_PEER], []).append(
-            _Box(rank_plan.names[row[P.OP_PARAM]],
-                 tuple(slice(o, o + n) for o, n in zip(src, shape, strict=True)),
-                 tuple(slice(o, o + n) for o, n in zip(dst, shape, strict=True)))
-        )
+    for bucket in rank_plan.recvs:
+        boxes = out.setdefault(bucket.peer, [])
+        boxes.extend(_Box(op.name, op.src_slices(), op.dst_slices()) for op in bucket.ops)
     return dict(sorted(out.items()))
 
 
