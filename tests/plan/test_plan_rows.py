@@ -86,7 +86,8 @@ def test_one_reader_serves_buckets_wire_and_colocate(model, train, infer, bucket
         want: dict[int, list] = {}
         for role, peer, _, _, ops in raw:
             if role == "recv":
-                want.setdefault(peer, []).extend((n, _slices(s, sh), _slices(d, sh)) for n, s, d, sh, *_ in ops)
+                boxes = ((n, _slices(s, sh), _slices(d, sh)) for n, s, d, sh, *_ in ops)
+                want.setdefault(peer, []).extend(boxes)
         boxes = {p: [(b.name, b.src, b.dst) for b in bs] for p, bs in plan_boxes(rp).items()}
         assert boxes == dict(sorted(want.items()))
         assert rank not in plan.receivers or boxes  # a receiving rank reads something
