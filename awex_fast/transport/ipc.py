@@ -44,7 +44,7 @@ import torch
 from torch.distributed import DistError, DistStoreError
 
 from awex_fast._native import native
-from awex_fast.transport.base import check_peer, make_store, timedelta
+from awex_fast.transport.base import SHARED_SLOTS, check_peer, make_store, timedelta
 from awex_fast.transport.shm import SegmentError, SharedSegment, pid_alive, reap_orphans
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
@@ -203,6 +203,7 @@ class IpcTransferGroup:
     """A TransferGroup of processes that share /dev/shm (see the module docstring)."""
 
     backend = "ipc"
+    strategy = SHARED_SLOTS  # a SharedSlotGroup: executors pack into the receiver's slots
 
     def __init__(
         self,
@@ -470,6 +471,9 @@ class IpcTransferGroup:
         """Start receiving into ``tensor`` from ``peer``; sends and receives of a pair match in
         posting order, and a tag or size that differs from what the sender posted raises."""
         return self._post("recv", tensor, peer, tag)
+
+    def join_current_stream(self) -> None:
+        """Nothing to do: CPU tensors, and a wait returns once the bytes are in place."""
 
     def _progress(self) -> bool:
         """Move every pending stream as far as it can go without waiting; True if any moved."""
