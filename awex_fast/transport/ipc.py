@@ -4,11 +4,13 @@ Why: between processes of one machine a socket transport copies every byte twice
 kernel (sender -> socket buffer -> receiver) on top of whatever packing the executor does. Here a
 *channel* per (sender, receiver) pair is a shared segment of slots that both processes map: the
 executor packs (and casts) straight into the receiver's slot and the receiver unpacks straight
-out of it (`Channel`; awex_fast.transfer.executor replays a whole update's messages through
+out of it (`Channel`; the group declares ``strategy = SHARED_SLOTS``, and the executor's
+shared-slot strategy, awex_fast.transfer.shared_slots, replays a whole update's messages through
 `IpcTransferGroup.runner`, csrc/shm/runner.cpp, with no Python between messages), so a staged
-message costs one copy per side and nothing else. Plain `isend`/`irecv` (baselines, checksum
-lists) stream through a channel of their own in ``chunk_bytes`` pieces, pipelined, and progress
-whenever this rank waits on any of them (one caller thread; no progress thread of its own).
+message costs one copy per side and nothing else. Its segments come from awex_fast.transport.shm.
+Plain `isend`/`irecv` (baselines, checksum lists) stream through a channel of their own in
+``chunk_bytes`` pieces, pipelined, and progress whenever this rank waits on any of them (one
+caller thread; no progress thread of its own).
 
 Synchronisation (csrc/shm/sync.cpp): per slot, the sender release-stores ``ready = n + 1`` once
 chunk ``n`` is in it and the receiver release-stores ``consumed = n + 1`` once it has read it;
