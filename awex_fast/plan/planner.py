@@ -134,6 +134,22 @@ class Op:
         return tuple(slice(o, o + n) for o, n in zip(self.dst_offset, self.shape, strict=True))
 
 
+def _read_op(row: Sequence[int], names: Sequence[str], max_ndim: int) -> Op:
+    """One row of a rank's op array (see the ``OP_*`` columns) as an `Op`: the one reader of the
+    row layout; ``names`` are the plan's parameter names, ``max_ndim`` its `Plan.max_ndim`."""
+    nd, D, b = row[OP_NDIM], max_ndim, OP_BOXES
+    return Op(
+        names[row[OP_PARAM]],
+        tuple(row[b : b + nd]),
+        tuple(row[b + D : b + D + nd]),
+        tuple(row[b + 2 * D : b + 2 * D + nd]),
+        DTYPES[row[OP_SRC_DTYPE]],
+        DTYPES[row[OP_DST_DTYPE]],
+        row[OP_BYTE_OFFSET],
+        row[OP_NBYTES],
+    )
+
+
 class OpList(Sequence[Op]):
     """Lazy view of rows ``[begin, end)`` of a rank's op array as `Op` objects."""
 
@@ -146,18 +162,7 @@ class OpList(Sequence[Op]):
         return self._end - self._begin
 
     def _op(self, i: int) -> Op:
-        row = self._ops[self._begin + i].tolist()
-        nd, D, b = row[OP_NDIM], self._dims, OP_BOXES
-        return Op(
-            self._names[row[OP_PARAM]],
-            tuple(row[b : b + nd]),
-            tuple(row[b + D : b + D + nd]),
-            tuple(row[b + 2 * D : b + 2 * D + nd]),
-            DTYPES[row[OP_SRC_DTYPE]],
-            DTYPES[row[OP_DST_DTYPE]],
-            row[OP_BYTE_OFFSET],
-            row[OP_NBYTES],
-        )
+        return _read_op(self._ops[self._begin + i].tolist(), self._names, self._dims)
 
     @overload
     def __getitem__(self, i: int) -> Op: ...
@@ -172,7 +177,8 @@ class OpList(Sequence[Op]):
         return self._op(i % n)
 
     def __iter__(self) -> Iterator[Op]:
-        return (self._op(k) for k in range(len(self)))
+        names, dims = self._names, self._dims
+        return (_read_op(row, names, dims) for row in self._ops[self._begin : self._end].tolist())
 
     def __repr__(self) -> str:
         return f"OpList({len(self)} ops)"
@@ -195,8 +201,9 @@ class Bucket:
 @dataclass(frozen=True)
 class RankPlan:
     """What one transfer rank sends and receives: buckets per peer in wire order, over the raw
-    ``ops`` / ``buckets`` arrays (column constants ``OP_*`` / ``B_*`` in this module), which an
-    executor can turn into copy descriptors in one pass."""
+    ``ops`` / ``buckets`` arrays (column constants ``OP_*`` / ``B_*`` in this module). Read the op
+    rows through the buckets' `OpList`s (`Bucket.ops`), never by column index: `_read_op` is the
+    one decoder of the row layout."""
 
     rank: int
     sends: list[Bucket]

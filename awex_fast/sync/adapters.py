@@ -67,17 +67,11 @@ from awex_fast.meta import (
 )
 from awex_fast.net import ADMIN_KEY_ENV, KVStoreClient
 from awex_fast.plan import build_plan
-from awex_fast.sync.colocate import (
-    ColocateReceiver,
-    ColocateSender,
-    MemoryTags,
-    OffloadStore,
-    find_segment,
-    plan_boxes,
-    share_tensors,
-)
+from awex_fast.sync.colocate import ColocateReceiver, ColocateSender, plan_boxes, share_tensors
+from awex_fast.sync.memory import MemoryTags, OffloadStore
 from awex_fast.transfer.executor import Executor, metadata_fingerprints, wire_buckets
 from awex_fast.transport import TransferError, init_transfer_group
+from awex_fast.transport.shm import find_segment
 
 TRAINING_META_KEY = "training_params_meta"
 INFER_META_KEY = "infer_params_meta"

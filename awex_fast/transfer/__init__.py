@@ -1,5 +1,8 @@
 """Moving one rank's plan: `wire` cuts buckets into messages, `boxcopy` packs and unpacks boxes
-(one native batched strided copy per message, casting), `executor` runs the pipelined exchange.
+(one native batched strided copy per message, casting), `executor` runs the pipelined exchange
+through the strategy its transfer group declares: `staged` (isend / irecv of staging slots or
+parameter memory) or `shared_slots` (packing into the receiver's shared slots, ipc), both over
+`exchange` (messages per pair, bounded waits, checksums, trace).
 
 Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
 """

@@ -19,8 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from awex_fast.plan.planner import RankPlan
 
 _ALIGN = 16  # byte alignment of every op inside a staged message (vectorised copies)
 
@@ -149,29 +153,25 @@ def torch_dtype(name: str) -> torch.dtype:
     raise ValueError(f"unknown dtype name {name!r}")
 
 
-def wire_buckets(rank_plan: object) -> list[WireBucket]:
-    """This rank's buckets as the executor consumes them, read from the RankPlan's raw op and
-    bucket arrays in one pass (sends address the sender's local boxes, receives the receiver's)."""
-    from awex_fast.plan import planner as P
+def wire_buckets(rank_plan: RankPlan) -> list[WireBucket]:
+    """This rank's buckets as the executor consumes them, in the plan's wire order (sends, then
+    receives, each by (peer, seq)); read through the plan's one op-row reader (`Bucket.ops`).
+    Sends address the sender's local boxes, receives the receiver's; the wire carries the
+    receiver's dtype (None for a dtype torch lacks)."""
+    dtypes: dict[str, torch.dtype | None] = {}
 
-    ops, names, nd_max = rank_plan.ops.tolist(), rank_plan.names, rank_plan.max_ndim
-    dtypes = [torch_dtype(n) if hasattr(torch, n) else None for n in P.DTYPES]
-    b0 = P.OP_BOXES
+    def wire_dtype(name: str) -> torch.dtype | None:
+        if name not in dtypes:
+            dtypes[name] = torch_dtype(name) if hasattr(torch, name) else None
+        return dtypes[name]
+
     out = []
-    for kind, peer, seq, begin, count, nbytes, _payload in rank_plan.buckets.tolist():
-        send = kind == P.SEND
-        wire_ops = []
-        for row in ops[begin : begin + count]:
-            nd = row[P.OP_NDIM]
-            at = b0 if send else b0 + nd_max
-            wire_ops.append(
-                WireOp(
-                    names[row[P.OP_PARAM]],
-                    tuple(row[at : at + nd]),
-                    tuple(row[b0 + 2 * nd_max : b0 + 2 * nd_max + nd]),
-                    dtypes[row[P.OP_DST_DTYPE]],
-                    row[P.OP_BYTE_OFFSET],
-                )
+    for role, buckets in (("send", rank_plan.sends), ("recv", rank_plan.recvs)):
+        for b in buckets:
+            ops = tuple(
+                WireOp(op.name, op.src_offset if role == "send" else op.dst_offset, op.shape,
+                       wire_dtype(op.dst_dtype), op.byte_offset)
+                for op in b.ops
             )
-        out.append(WireBucket("send" if send else "recv", peer, seq, nbytes, tuple(wire_ops)))
+            out.append(WireBucket(role, b.peer, b.seq, b.nbytes, ops))
     return out

@@ -1,9 +1,19 @@
 """Transfer backends: gloo and nccl through torch.distributed, native NCCL (dlopen), and ipc
-(POSIX shared memory between the processes of one host)."""
+(POSIX shared memory between the processes of one host, its segments in `transport.shm`).
+
+Every group declares its ``strategy`` (`STAGED`, or `SHARED_SLOTS` for a `SharedSlotGroup`): how
+an executor moves messages over it."""
 
 from __future__ import annotations
 
-from awex_fast.transport.base import Pending, TransferError, TransferGroup
+from awex_fast.transport.base import (
+    SHARED_SLOTS,
+    STAGED,
+    Pending,
+    SharedSlotGroup,
+    TransferError,
+    TransferGroup,
+)
 
 BACKENDS = ("gloo", "nccl", "native-nccl", "ipc")
 
@@ -44,4 +54,13 @@ def init_transfer_group(
     return TorchTransferGroup(backend, rank, world_size, master_addr, master_port, timeout, group_name, store)
 
 
-__all__ = ["BACKENDS", "Pending", "TransferError", "TransferGroup", "init_transfer_group"]
+__all__ = [
+    "BACKENDS",
+    "SHARED_SLOTS",
+    "STAGED",
+    "Pending",
+    "SharedSlotGroup",
+    "TransferError",
+    "TransferGroup",
+    "init_transfer_group",
+]

@@ -11,7 +11,7 @@ AReaL's custom process group play).
 from __future__ import annotations
 
 import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -46,10 +46,22 @@ class Pending(Protocol):
         ...
 
 
+# How an executor moves messages over a group (`TransferGroup.strategy`):
+STAGED = "staged"  # each message is one tensor given to isend / irecv (a staging slot or the
+#                    parameter's own memory); the executor packs and unpacks around the wire
+SHARED_SLOTS = "shared_slots"  # the group is a `SharedSlotGroup`: senders pack straight into the
+#                                receiver's shared slots, receivers unpack straight out of them
+STRATEGIES = (STAGED, SHARED_SLOTS)
+
+
 class TransferGroup(Protocol):
-    """A world of transfer ranks exchanging raw buffers."""
+    """A world of transfer ranks exchanging raw buffers.
+
+    ``strategy`` declares how an executor moves messages over the group: `STAGED` for every
+    group, or `SHARED_SLOTS` for a group that also satisfies `SharedSlotGroup`."""
 
     backend: str
+    strategy: str
     rank: int
     world_size: int
     timeout_s: float
@@ -63,12 +75,58 @@ class TransferGroup(Protocol):
         """Start receiving into the contiguous ``tensor`` from ``peer``."""
         ...
 
+    def join_current_stream(self) -> None:
+        """Make torch's current stream wait for every receive waited for so far, before the
+        received bytes are read on it (a no-op for groups whose waits complete on the host)."""
+        ...
+
     def abort(self) -> None:
         """Fail every pending operation and make the group unusable (after a failure)."""
         ...
 
     def close(self) -> None:
         """Leave the group cleanly."""
+        ...
+
+
+class SlotChannel(Protocol):
+    """The shared slots of one (sender, receiver) pair: message ``tag`` of the pair uses slot
+    ``tag % slots``."""
+
+    slots: int
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Slot ``index``'s bytes (uint8), stable for the channel's life."""
+        ...
+
+    def control_address(self, index: int) -> int:
+        """Address of slot ``index``'s control line (what the native runner synchronises on)."""
+        ...
+
+
+class SlotRunner(Protocol):
+    """A native replay of one role's messages over shared slots (csrc/shm/runner.cpp)."""
+
+    def run(self, bases: list[int], timeout_s: float, verify: bool) -> tuple[int, int, str, Any, Any]:
+        """Run every step once, the chunk numbers of each peer starting at ``bases``; returns
+        (status, failed step, detail, per-step times [n, 3], per-step checksums or None)."""
+        ...
+
+
+class SharedSlotGroup(TransferGroup, Protocol):
+    """A group whose ranks share memory (``strategy`` is `SHARED_SLOTS`): messages are written
+    into, and read from, the receiver's slots, with no staging of the executor's own."""
+
+    def channel(
+        self, peer: int, role: str, name: str, slots: int, slot_bytes: int, *, wait: bool = True
+    ) -> SlotChannel | None:
+        """The (this rank, ``peer``) channel ``name``: the receiver creates it, the sender maps it
+        (waiting up to the group's timeout when ``wait``, else None while it does not exist)."""
+        ...
+
+    def runner(self, role: str, peers: list[int], steps: list[tuple]) -> SlotRunner:
+        """A native runner of ``steps`` ((index into ``peers``, slot control address, slot address,
+        tag, nbytes, copy descriptors), in execution order) over this group's channels."""
         ...
 
 

@@ -4,11 +4,13 @@ Why: between processes of one machine a socket transport copies every byte twice
 kernel (sender -> socket buffer -> receiver) on top of whatever packing the executor does. Here a
 *channel* per (sender, receiver) pair is a shared segment of slots that both processes map: the
 executor packs (and casts) straight into the receiver's slot and the receiver unpacks straight
-out of it (`Channel`; awex_fast.transfer.executor replays a whole update's messages through
+out of it (`Channel`; the group declares ``strategy = SHARED_SLOTS``, and the executor's
+shared-slot strategy, awex_fast.transfer.shared_slots, replays a whole update's messages through
 `IpcTransferGroup.runner`, csrc/shm/runner.cpp, with no Python between messages), so a staged
-message costs one copy per side and nothing else. Plain `isend`/`irecv` (baselines, checksum
-lists) stream through a channel of their own in ``chunk_bytes`` pieces, pipelined, and progress
-whenever this rank waits on any of them (one caller thread; no progress thread of its own).
+message costs one copy per side and nothing else. Its segments come from awex_fast.transport.shm.
+Plain `isend`/`irecv` (baselines, checksum lists) stream through a channel of their own in
+``chunk_bytes`` pieces, pipelined, and progress whenever this rank waits on any of them (one
+caller thread; no progress thread of its own).
 
 Synchronisation (csrc/shm/sync.cpp): per slot, the sender release-stores ``ready = n + 1`` once
 chunk ``n`` is in it and the receiver release-stores ``consumed = n + 1`` once it has read it;
@@ -22,7 +24,7 @@ Segments (``/dev/shm/awex_ipc_<token>_p<owner pid>_...``) are created by their o
 doorbell) or the receiver (a channel), named in the group's rendezvous store, and unlinked as
 soon as the peer mapped them. A process killed before that (during init, or after making a
 channel its sender never mapped) cannot unlink its own: every init first reaps such orphans
-(`awex_fast.sync.colocate.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
+(`awex_fast.transport.shm.reap_orphans`: the owner pid is gone and the owner's ``flock`` on the file
 was released by the kernel). Every rank must see the same /dev/shm (one host, one mount
 namespace): the group checks at init by opening every peer's doorbell, and refuses with a
 message that names the rank it cannot reach; a rank that dies during init is named too.
@@ -44,8 +46,8 @@ import torch
 from torch.distributed import DistError, DistStoreError
 
 from awex_fast._native import native
-from awex_fast.sync.colocate import ColocateError, SharedSegment, pid_alive, reap_orphans
-from awex_fast.transport.base import check_peer, make_store, timedelta
+from awex_fast.transport.base import SHARED_SLOTS, check_peer, make_store, timedelta
+from awex_fast.transport.shm import SegmentError, SharedSegment, pid_alive, reap_orphans
 
 _SLICE_S = 0.1  # longest sleep between liveness / abort checks of a waiting rank
 _CLOSED_AT = 64  # byte offset, in a rank's doorbell segment, of its "group closed" word
@@ -55,7 +57,7 @@ _MAGIC = 0x617765785F697063  # "awex_ipc"
 CHUNK_BYTES = 4 << 20  # slot size of the isend/irecv channel
 CHUNK_SLOTS = 4
 PREFIX = "awex_ipc_"  # every segment of this backend: /dev/shm/awex_ipc_<token>_p<owner pid>_...
-_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.sync.colocate.reap_orphans)
+_REAP_AGE_S = 1.0  # an orphan is reaped once this old (see awex_fast.transport.shm.reap_orphans)
 _INIT_POLL_S = 0.1  # how often init looks at the pids of the ranks it waits for
 
 
@@ -203,6 +205,7 @@ class IpcTransferGroup:
     """A TransferGroup of processes that share /dev/shm (see the module docstring)."""
 
     backend = "ipc"
+    strategy = SHARED_SLOTS  # a SharedSlotGroup: executors pack into the receiver's slots
 
     def __init__(
         self,
@@ -317,7 +320,7 @@ class IpcTransferGroup:
         self._pids[peer] = int(info["pid"])
         try:
             self._peer_bells[peer] = SharedSegment(info["bell"], 4096, create=False)
-        except ColocateError as exc:
+        except SegmentError as exc:
             self._raise_if_failed()
             if not pid_alive(self._pids[peer]):
                 raise RuntimeError(
@@ -434,7 +437,7 @@ class IpcTransferGroup:
         info = json.loads(self.store.get(key))
         try:
             seg = SharedSegment(info["name"], int(info["size"]), create=False)
-        except ColocateError as exc:
+        except SegmentError as exc:
             raise RuntimeError(
                 f"ipc: channel {name!r} of rank {peer} is gone before rank {self.rank} mapped it "
                 "(the receiver exited or closed its group)"
@@ -470,6 +473,9 @@ class IpcTransferGroup:
         """Start receiving into ``tensor`` from ``peer``; sends and receives of a pair match in
         posting order, and a tag or size that differs from what the sender posted raises."""
         return self._post("recv", tensor, peer, tag)
+
+    def join_current_stream(self) -> None:
+        """Nothing to do: CPU tensors, and a wait returns once the bytes are in place."""
 
     def _progress(self) -> bool:
         """Move every pending stream as far as it can go without waiting; True if any moved."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from awex_fast._native import native
-from awex_fast.transport.base import make_store, timedelta
+from awex_fast.transport.base import STAGED, make_store, timedelta
 
 
 def nccl_candidates() -> list[str]:
@@ -66,6 +66,7 @@ class NativeNcclGroup:
     """A TransferGroup over a dlopen'ed NCCL communicator on its own CUDA stream."""
 
     backend = "native-nccl"
+    strategy = STAGED
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from awex_fast.transport.base import check_peer, make_store, timedelta
+from awex_fast.transport.base import STAGED, check_peer, make_store, timedelta
 
 
 class _TorchPending:
@@ -48,6 +48,8 @@ def _gloo_options(master_addr: str, timeout_s: float) -> dist.ProcessGroupGloo._
 
 class TorchTransferGroup:
     """A TransferGroup over ``torch.distributed.ProcessGroupGloo`` or ``ProcessGroupNCCL``."""
+
+    strategy = STAGED
 
     def __init__(
         self,
@@ -97,6 +99,9 @@ class TorchTransferGroup:
         """Start receiving into ``tensor`` from ``peer``."""
         self._check(tensor, peer)
         return _TorchPending(self._pg.recv([tensor], peer, tag), f"receive from rank {peer}")
+
+    def join_current_stream(self) -> None:
+        """Nothing to do: a receive's wait already orders torch's current stream after it."""
 
     def abort(self) -> None:
         """Tear the group down after a failure; pending operations fail or are abandoned."""

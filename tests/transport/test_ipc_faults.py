@@ -71,9 +71,12 @@ def _worker(case: str, rank: int, world: int, port: int, out: Path) -> None:
 
 def _spawn(case: str, rank: int, world: int, port: int, tmp: Path) -> subprocess.Popen:
     log = (tmp / f"log{rank}.txt").open("wb")
+    # run as a script, this file finds the shared test helpers (_jobs) only through PYTHONPATH
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(
         [sys.executable, __file__, case, str(rank), str(world), str(port), str(tmp / f"out{rank}.jsonl")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
 
 
@@ -117,7 +120,7 @@ def _exited_pid() -> int:
 
 
 def test_reaper_spares_segments_whose_owner_lives_or_still_holds_the_lock():
-    from awex_fast.sync.colocate import SharedSegment, reap_orphans
+    from awex_fast.transport.shm import SharedSegment, reap_orphans
 
     prefix = f"awex_reaptest_{os.getpid()}_"
     dead = _exited_pid()
