@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "PlanError": "awex_fast.plan",
     "RankPlan": "awex_fast.plan",
     "build_plan": "awex_fast.plan",
-    "simulate": "awex_fast.plan",
+    "simulate": "awex_fast.transfer",
     # execution
     "Executor": "awex_fast.transfer",
     "PlanMismatchError": "awex_fast.transfer",

@@ -20,7 +20,7 @@ def lazy_exports(
 
     ``exports`` maps a public name to the module that defines it: a full dotted path, or a
     submodule name relative to ``package``. ``__getattr__`` also resolves a submodule of the
-    package by name (``awex_fast.plan.simulate`` after ``import awex_fast.plan``).
+    package by name (``awex_fast.transfer.wire`` after ``import awex_fast.transfer``).
     """
 
     def absolute(module: str) -> str:

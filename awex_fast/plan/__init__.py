@@ -1,5 +1,5 @@
-"""Planning: the Python face of the native planner (`build_plan`, `Plan`, `RankPlan`), the one
-reader of a plan's op rows, and `simulate` (a whole plan run in one process).
+"""Planning: the Python face of the native planner (`build_plan`, `Plan`, `RankPlan`) and the one
+reader of a plan's op rows.
 
 Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
 """
@@ -15,7 +15,6 @@ _EXPORTS = {
     "Plan": "planner",
     "build_plan": "planner",
     "unsupported_casts": "planner",
-    "simulate": "simulate",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

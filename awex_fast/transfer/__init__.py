@@ -2,7 +2,8 @@
 (one native batched strided copy per message, casting), `executor` runs the pipelined exchange
 through the strategy its transfer group declares: `staged` (isend / irecv of staging slots or
 parameter memory) or `shared_slots` (packing into the receiver's shared slots, ipc), both over
-`exchange` (messages per pair, bounded waits, checksums, trace).
+`exchange` (messages per pair, bounded waits, checksums, trace); `simulate` runs a whole plan in
+one process through the same pack / unpack code.
 
 Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
 """
@@ -16,6 +17,7 @@ _EXPORTS = {
     "PlanMismatchError": "executor",
     "check_local_tensors": "executor",
     "wire_buckets": "wire",
+    "simulate": "simulate",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

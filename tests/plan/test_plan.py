@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from awex_fast.meta import ParameterMeta, ShardMeta, ShardRule
-from awex_fast.plan import PlanError, build_plan, simulate
+from awex_fast.plan import PlanError, build_plan
 from awex_fast.plan import planner as P
+from awex_fast.transfer import simulate
 
 # ---------------------------------------------------------------------------------------------
 # helpers
