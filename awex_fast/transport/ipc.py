@@ -245,6 +245,14 @@ class IpcTransferGroup:
             self.store.set(f"ipc/opened{rank}", "1")
             self._await_keys({p: f"ipc/opened{p}" for p in range(world_size) if p != rank},
                              "open every peer's doorbell segment")
+            # The store lives in rank 0's process: rank 0 stays until every peer is past its last
+            # init read, so a rank 0 that returns and exits at once cannot take the store away
+            # from a peer still waiting above.
+            if rank == 0:
+                self._await_keys({p: f"ipc/joined{p}" for p in range(1, world_size)},
+                                 "finish init_transfer_group")
+            else:
+                self.store.set(f"ipc/joined{rank}", "1")
         except Exception as exc:
             self._tell_failure(exc)
             raise
