@@ -155,9 +155,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             world = World(tuple(sizes), info.train_world_size)
             transfer_rank = world.inference_rank(info.engine_index, self.engine_rank)
             # num_engines as the trainer announced it: published sizes that disagree fail the init
-            adapter.init_weight_update_group(**{**world.init_args(info.pair, info.kv_store_url, info.master_addr,
-                                                                  0, transfer_rank),
-                                                "num_engines": info.num_engines})
+            args = world.init_args(info.pair, info.kv_store_url, info.master_addr, 0, transfer_rank)
+            adapter.init_weight_update_group(**{**args, "num_engines": info.num_engines})
             adapter.batch_isend_irecv()
         except Exception as exc:  # reported to the trainer, never raised
             adapter.teardown_weight_update_group()
