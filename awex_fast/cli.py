@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 # name -> (module, function taking argv and returning an exit code, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -90,13 +91,8 @@ def projection_rows(proj: dict) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
-def plan_main(argv: Sequence[str] | None = None) -> int:
-    """``awex-fast plan --model NAME --train SPEC --infer SPEC``: print the plan's stats table
-    (or JSON with ``--json``). Exit codes: 0, 2 for bad arguments or metadata the planner
-    rejects (the message names the parameter)."""
-    from awex_fast.layouts.models import DEFAULT_MODEL, model_names, model_spec
-    from awex_fast.layouts.synthetic import parse_infer, parse_train, world_metas
-    from awex_fast.plan import PlanError, build_plan, unsupported_casts
+def _plan_parser() -> argparse.ArgumentParser:
+    from awex_fast.layouts.models import DEFAULT_MODEL, model_names
 
     parser = argparse.ArgumentParser(
         prog="awex-fast plan",
@@ -113,7 +109,52 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="project the sync time over links of this many Gbit/s per NIC")
     parser.add_argument("--nics-per-rank", type=int, default=1, help="NICs per rank (default 1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _rank_rows(plan: Any, ranks: Sequence[int]) -> list[dict[str, Any]]:
+    """``for_rank`` of each rank, timed, with its op, bucket and byte counts."""
+    rows = []
+    for r in ranks:
+        rp = plan.for_rank(r)
+        rows.append({
+            "rank": r, "time_s": rp.plan_time_s, "ops": len(rp.ops), "send_buckets": len(rp.sends),
+            "recv_buckets": len(rp.recvs), "send_bytes": rp.send_bytes, "recv_bytes": rp.recv_bytes,
+        })  # fmt: skip
+    return rows
+
+
+def _plan_text(args: argparse.Namespace, model: Any, train: Any, infer: Any, layout_s: float,
+               stats: dict, per_rank: list[dict], proj: dict | None) -> str:
+    """The human-readable table of `plan_main`."""
+    extra = [
+        ("model", f"{model.name}: {len(model.tensors)} tensors, {model.num_params / 1e9:.2f}B params"),
+        ("training layout", f"{args.train} ({train.world_size} ranks, from rank {infer.world_size})"),
+        ("inference layout", f"{args.infer} ({infer.world_size} ranks, from rank 0)"),
+        ("layout generation", f"{layout_s * 1e3:.1f} ms"),
+    ]
+    for pr in per_rank:
+        extra.append((
+            f"for_rank({pr['rank']})",
+            f"{pr['time_s'] * 1e3:.2f} ms, {pr['ops']} ops, {pr['send_buckets']} send / "
+            f"{pr['recv_buckets']} recv buckets",
+        ))  # fmt: skip
+    table = plan_table(stats, extra)
+    if proj is not None:
+        width = max(len(line.split("  ")[0]) for line in table.splitlines())
+        table += "\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in projection_rows(proj))
+    return table
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """``awex-fast plan --model NAME --train SPEC --infer SPEC``: print the plan's stats table
+    (or JSON with ``--json``). Exit codes: 0, 2 for bad arguments or metadata the planner
+    rejects (the message names the parameter)."""
+    from awex_fast.layouts.models import model_spec
+    from awex_fast.layouts.synthetic import parse_infer, parse_train, world_metas
+    from awex_fast.plan import PlanError, build_plan, unsupported_casts
+
+    args = _plan_parser().parse_args(argv)
     if args.link_gbps is not None and (args.link_gbps <= 0 or args.nics_per_rank < 1):
         print("awex-fast plan: bad arguments: --link-gbps must be > 0 and --nics-per-rank >= 1",
               file=sys.stderr)
@@ -134,14 +175,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     cast_note = unsupported_casts(plan)
     if cast_note is not None:
         print(f"awex-fast plan: note: this plan cannot run yet: {cast_note}", file=sys.stderr)
-    ranks = args.rank or [0, infer.world_size]
-    per_rank = []
-    for r in ranks:
-        rp = plan.for_rank(r)
-        per_rank.append({
-            "rank": r, "time_s": rp.plan_time_s, "ops": len(rp.ops), "send_buckets": len(rp.sends),
-            "recv_buckets": len(rp.recvs), "send_bytes": rp.send_bytes, "recv_bytes": rp.recv_bytes,
-        })  # fmt: skip
+    per_rank = _rank_rows(plan, args.rank or [0, infer.world_size])
     stats = plan.stats()
     proj = None
     if args.link_gbps is not None:
@@ -153,24 +187,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         if proj is not None:
             out["projection"] = proj
         print(json.dumps(out, indent=1))
-        return 0
-    extra = [
-        ("model", f"{model.name}: {len(model.tensors)} tensors, {model.num_params / 1e9:.2f}B params"),
-        ("training layout", f"{args.train} ({train.world_size} ranks, from rank {infer.world_size})"),
-        ("inference layout", f"{args.infer} ({infer.world_size} ranks, from rank 0)"),
-        ("layout generation", f"{layout_s * 1e3:.1f} ms"),
-    ]
-    for pr in per_rank:
-        extra.append((
-            f"for_rank({pr['rank']})",
-            f"{pr['time_s'] * 1e3:.2f} ms, {pr['ops']} ops, {pr['send_buckets']} send / "
-            f"{pr['recv_buckets']} recv buckets",
-        ))  # fmt: skip
-    table = plan_table(stats, extra)
-    if proj is not None:
-        width = max(len(line.split("  ")[0]) for line in table.splitlines())
-        table += "\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in projection_rows(proj))
-    print(table)
+    else:
+        print(_plan_text(args, model, train, infer, layout_s, stats, per_rank, proj))
     return 0
 
 

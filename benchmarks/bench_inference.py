@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _inference_helpers import TINY, http, make_checkpoint
 
-from awex_fast.net import KVStoreServer
+from awex_fast.net import ADMIN_KEY_ENV, KVStoreServer
 from awex_fast.sync import TrainingAdapter, WeightSyncPair
 from python_engines.inference.server import launch_server
 
@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per TP rank")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    os.environ.setdefault("AWEX_FAST_ADMIN_KEY", KEY)
+    os.environ.setdefault(ADMIN_KEY_ENV, KEY)
     tmp = tempfile.TemporaryDirectory(prefix="bench_inference_")
     ckpt_a = make_checkpoint(Path(tmp.name) / "a", seed=1)
     ckpt_b = make_checkpoint(Path(tmp.name) / "b", seed=2)

@@ -27,20 +27,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from awex_fast.net import free_port
+
 VOCAB = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_model(path: Path, seed: int) -> None:
@@ -66,7 +61,7 @@ def start_vllm(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """``vllm serve`` (CPU, TP2, bfloat16) with the awex_fast backend; returns (process, url)."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     cmd = [
@@ -133,10 +128,31 @@ def _weight(mb: Any) -> float:
     return float(mb["loss_mask"][:, 1:].sum())
 
 
+def grpo_batch(outs: list, rewards: Any, prompts: int, group: int) -> Any:
+    """The training batch of one step: every rollout's tokens, its completion as the loss mask,
+    and its group-normalized advantage (GRPO: reward minus the group mean, over the group std)."""
+    import torch
+    from tensordict import TensorDict
+
+    grouped = rewards.view(prompts, group)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+    width = max(o.input_len + o.output_len for o in outs)
+    ids = torch.zeros(len(outs), width, dtype=torch.long)
+    mask, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, o in enumerate(outs):
+        seq = o.input_tokens + o.output_tokens
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        loss_mask[i, o.input_len : len(seq)] = 1
+    return TensorDict(
+        {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask, "advantage": adv},
+        batch_size=[len(outs)],
+    )
+
+
 def trainer_main(args: argparse.Namespace) -> None:
     """One trainer rank: rollouts through vLLM, a GRPO step, the weight sync, repeated."""
     import torch
-    from tensordict import TensorDict
 
     from python_engines.api import (
         FinetuneSpec,
@@ -178,20 +194,7 @@ def trainer_main(args: argparse.Namespace) -> None:
         outs = asyncio.run(rollouts())
         gen_s = time.perf_counter() - t0
         rewards = torch.tensor([reward(o.output_tokens, args.target_below) for o in outs])
-        grouped = rewards.view(args.prompts, args.group)
-        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
-        width = max(o.input_len + o.output_len for o in outs)
-        ids = torch.zeros(len(outs), width, dtype=torch.long)
-        mask, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-        for i, o in enumerate(outs):
-            seq = o.input_tokens + o.output_tokens
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-            loss_mask[i, o.input_len : len(seq)] = 1
-        batch = TensorDict(
-            {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask, "advantage": adv},
-            batch_size=[len(outs)],
-        )
+        batch = grpo_batch(outs, rewards, args.prompts, args.group)
         stats = train.train_batch(batch, _loss, _weight)
         train.set_version(step)
         meta = WeightUpdateMeta(type="awex", version=step)
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM TP2 serving {model} at {url}", flush=True)
     procs = []
     try:
-        port = _free_port()
+        port = free_port()
         for rank in range(2):
             env = dict(
                 os.environ,

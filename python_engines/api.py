@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import json
 import os
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from awex_fast.net import ADMIN_KEY_ENV
+from python_engines.weight_marker import (  # re-exported: AReaL-style code imports them from the API
+    WEIGHT_VERSION_MARKER,
+    read_weight_version,
+    wait_for_weight_version,
+    write_weight_version,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -61,8 +64,6 @@ __all__ = [
     "write_weight_version",
 ]
 
-#: Name of the file, inside ``WeightUpdateMeta.path``, that announces a complete disk update.
-WEIGHT_VERSION_MARKER = "awex_weight_version.json"
 
 
 
@@ -322,61 +323,6 @@ class LLMResponse:
     def output_len(self) -> int:
         """Number of generated tokens."""
         return len(self.output_tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Disk weight-update marker protocol
-# --------------------------------------------------------------------------------------------
-
-
-def write_weight_version(path: str | os.PathLike[str], version: int) -> Path:
-    """Atomically write the marker announcing that ``path`` holds complete weights of ``version``.
-
-    Writes a temporary file, fsyncs it and renames it over `WEIGHT_VERSION_MARKER`, so readers see
-    either no marker, the previous one, or this one, never a partial file. Returns the marker path.
-    """
-    directory = Path(path)
-    marker = directory / WEIGHT_VERSION_MARKER
-    tmp = directory / f".{WEIGHT_VERSION_MARKER}.{os.getpid()}.tmp"
-    payload = json.dumps({"version": int(version), "time": time.time()}).encode()
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker)
-    return marker
-
-
-def read_weight_version(path: str | os.PathLike[str]) -> int | None:
-    """The version announced by the marker in ``path``, or None when there is no marker."""
-    marker = Path(path) / WEIGHT_VERSION_MARKER
-    try:
-        data = json.loads(marker.read_text())
-    except FileNotFoundError:
-        return None
-    try:
-        return int(data["version"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed weight version marker {marker}: {data!r}") from exc
-
-
-def wait_for_weight_version(
-    path: str | os.PathLike[str], version: int, timeout: float, poll_interval: float = 0.05
-) -> int:
-    """Block until ``path``'s marker announces a version >= ``version``; return that version.
-
-    Raises TimeoutError naming the path, the expected and the last seen version.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = read_weight_version(path)
-        if seen is not None and seen >= version:
-            return seen
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"no weights of version >= {version} in {path} after {timeout:.1f} s (last seen: {seen})"
-            )
-        time.sleep(poll_interval)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from awex_fast.net import free_port
 
 _LOG_TAIL_CHARS = 6000
 
@@ -175,13 +176,6 @@ def _randomize(model: Any, seed: int, std: float) -> None:
                 p.copy_(1.0 + noise)
             else:
                 p.copy_(noise)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_env(tp: int = 2) -> dict[str, str]:

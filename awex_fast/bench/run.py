@@ -15,7 +15,11 @@ TCPStore the parent hosts. Every method is timed on the same processes in the sa
   same processes, when awex is importable. Awex cannot cast, so it sends training weights
   already in the inference dtype (copies made before timing), and the table says so.
 
-After the timed iterations the inference weights are checked bit-exactly against the training
+The methods interleave: iteration ``i`` runs them rotated by ``i`` (A B C, B C A, ...; iteration 0
+is an untimed warm-up), so load that comes and goes on the host falls on all of them, and each
+ratio is reported as the ratio of medians plus its min / median / max over iterations.
+After the timed iterations each method that writes the inference weights (awex_fast, naive,
+awex) runs once more and the inference weights are checked bit-exactly against the training
 weights cast to the inference dtype (regenerated independently from their seeds).
 """
 
@@ -115,6 +119,15 @@ def _wait(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _paired_spread(base: list[float], ours: list[float]) -> dict[str, float]:
+    """min / median / max over iterations of baseline seconds / awex_fast seconds: the methods
+    run interleaved, so iteration ``i`` of each ran side by side under the same host load."""
+    per_iter = [b / o for b, o in zip(base, ours, strict=True) if o > 0]
+    if not per_iter:
+        return {"min": 0.0, "median": 0.0, "max": 0.0}
+    return {"min": min(per_iter), "median": statistics.median(per_iter), "max": max(per_iter)}
+
+
 def summarize(results: list[dict], spec: dict) -> dict:
     """Per-method timings (max over ranks per iteration), ratios and the layout, as JSON."""
     methods = {}
@@ -135,18 +148,15 @@ def summarize(results: list[dict], spec: dict) -> dict:
             "cpu_s": statistics.median(cpu_iter),
             "cpu_s_by_rank": [statistics.median(r["cpu"][m]) for r in results],
         }
-    ratios = {}
+    ratios: dict[str, float] = {}
+    spread: dict[str, dict[str, float]] = {}
     ours = methods.get("awex_fast")
-    if ours and "raw" in methods:
-        ratios["vs_raw"] = methods["raw"]["median_s"] / ours["median_s"]
-    if ours and "raw_cast" in methods:
-        ratios["vs_raw_cast"] = methods["raw_cast"]["median_s"] / ours["median_s"]
-    if ours and "naive" in methods:
-        ratios["vs_naive"] = methods["naive"]["median_s"] / ours["median_s"]
-    if ours and "awex" in methods:
-        ratios["vs_awex"] = methods["awex"]["median_s"] / ours["median_s"]
-        if spec["train_dtype"] != spec["dtype"]:
-            methods["awex"]["note"] = f"{spec['dtype']} training weights (Awex cannot cast)"
+    for base in ("raw", "raw_cast", "naive", "awex"):
+        if ours and base in methods:
+            ratios[f"vs_{base}"] = methods[base]["median_s"] / ours["median_s"]
+            spread[f"vs_{base}"] = _paired_spread(methods[base]["seconds"], ours["seconds"])
+    if "awex" in methods and spec["train_dtype"] != spec["dtype"]:
+        methods["awex"]["note"] = f"{spec['dtype']} training weights (Awex cannot cast)"
     verified = all(r.get("verified", True) for r in results)
     return {
         "layout": {
@@ -166,6 +176,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
         "plan": results[0].get("plan", {}),
         "methods": methods,
         "ratios": ratios,
+        "ratio_spread": spread,
         "verified": verified,
         "staging_bytes": max(r.get("staging_bytes", 0) for r in results),
     }
@@ -186,7 +197,8 @@ def print_table(summary: dict) -> None:
     for name, m in summary["methods"].items():
         ratio = ""
         if ours and name != "awex_fast":
-            ratio = f"{m['median_s'] / ours['median_s']:.2f}x"
+            s = summary["ratio_spread"][f"vs_{name}"]
+            ratio = f"{m['median_s'] / ours['median_s']:.2f}x ({s['min']:.2f}-{s['max']:.2f} per iteration)"
         print(
             f"{name:10} {m['bytes']:14,d} {m['median_s']:9.3f} {m['p90_s']:8.3f} {m['GBps']:7.2f}"
             f" {m['cpu_s']:6.2f}  {ratio}" + (f"  [{m['note']}]" if m.get("note") else "")

@@ -6,7 +6,7 @@ weights), starts ``python -m vllm.entrypoints.openai.api_server`` (TP ``--tp``) 
 ``awex_fast`` and the `awex_fast.vllm.baselines.BenchWorkerExtension` (which swaps the workers'
 weight-transfer engine between routes), and spawns the trainer ranks (FSDP2 over gloo, float32
 weights, every local shard rewritten before every timed update) plus ``--tp`` stand-in receivers
-for the raw bound, as fresh processes (``python -m awex_fast.bench.vllm ROLE SPEC.json``; JSON
+for the raw bound, as fresh processes (``python -m awex_fast.bench.vllm_ranks ROLE SPEC.json``; JSON
 specs and results, no pickle). Routes, interleaved per iteration (iteration 0 is a warm-up):
 
 * ``awex_fast``: `awex_fast.vllm` (each trainer rank sends its own shards' boxes to the workers
@@ -37,15 +37,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
+
+from awex_fast.net import free_port
 
 ROUTES = ("awex_fast", "broadcast", "disk", "raw")
 _HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-7b": 28, "qwen2.5-72b": 64}
@@ -75,12 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--timeout", type=float, default=1800.0)
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_checkpoint(path: Path, model: str, layers: int | None, dtype: str,
@@ -124,7 +118,7 @@ def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
     """vLLM's OpenAI server (dev mode), backend awex_fast, with the engine-switching extension."""
     import requests
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     cpus = os.cpu_count() or tp
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
@@ -159,7 +153,7 @@ def _spawn(role: str, spec: dict, tmp: Path, name: str) -> subprocess.Popen:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.Popen([sys.executable, "-m", "awex_fast.bench.vllm", role, str(path)],
+    return subprocess.Popen([sys.executable, "-m", "awex_fast.bench.vllm_ranks", role, str(path)],
                             stdout=(tmp / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=tmp)
 
@@ -286,7 +280,7 @@ def bench_vllm_main(argv: list[str] | None = None) -> int:
                 "dtype": args.dtype, "untied": args.untied, "iters": args.iters, "methods": methods,
                 "buffer_mb": args.buffer_mb, "transport": args.transport,
                 "url": url, "ckpt": str(work / "ckpt"), "disk_dir": str(work / "disk"),
-                "store_port": store.port, "dist_port": _free_port(), "timeout": args.timeout}
+                "store_port": store.port, "dist_port": free_port(), "timeout": args.timeout}
         roles = [("trainer", r) for r in range(args.trainers)]
         roles += [("raw", r) for r in range(args.tp)] if "raw" in methods else []
         procs = {f"{role}{r}": _spawn(role, {**spec, "rank": r, "result": str(work / f"{role}{r}.out.json")},
@@ -307,271 +301,3 @@ def bench_vllm_main(argv: list[str] | None = None) -> int:
             os.killpg(server.pid, signal.SIGKILL)
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
-
-
-# --- trainer rank ---------------------------------------------------------------------------------
-
-
-def _post(url: str, route: str, body: dict, timeout: float) -> Any:
-    import requests
-
-    r = requests.post(url + route, json=body, timeout=timeout)
-    r.raise_for_status()
-    return r.json() if r.content else None
-
-
-def _use_backend(url: str, name: str, timeout: float) -> None:
-    _post(url, "/collective_rpc", {"method": "awex_fast_use_backend", "args": [name]}, timeout)
-
-
-def _checksums(url: str, timeout: float) -> dict[str, str]:
-    return _post(url, "/weight_checker", {"action": "checksum"}, timeout)["checksums"]
-
-
-class _Parent:
-    """The parent's TCPStore: barriers between the trainer ranks and the raw receivers, and the
-    per-pair byte counts the raw bound replays."""
-
-    def __init__(self, port: int, timeout: float) -> None:
-        import torch.distributed as dist
-
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=timeout))
-        self.n: dict[str, int] = {}
-
-    def barrier(self, name: str, world: int) -> None:
-        """Meet ``world`` processes at the next barrier of series ``name``."""
-        self.n[name] = self.n.get(name, 0) + 1
-        key = f"barrier/{name}/{self.n[name]}"
-        self.store.add(key, 1)
-        while self.store.add(key, 0) < world:
-            time.sleep(0.0005)
-
-
-def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dict[int, int] | None,
-                role: str) -> tuple[Any, Any, int]:
-    """Join the raw group (receivers are transfer ranks 0..tp-1, trainer ranks follow) and build
-    `awex_fast.bench.worker._raw` over the pairs of awex_fast's plan."""
-    import torch
-
-    from awex_fast.bench.worker import _raw
-    from awex_fast.transport import init_transfer_group
-
-    tp, world = spec["tp"], spec["tp"] + spec["trainers"]
-    if role == "send":
-        assert pair_bytes is not None
-        parent.store.set(f"raw/pairs/{transfer_rank}", json.dumps(pair_bytes))
-        buckets = [SimpleNamespace(peer=p, payload=n) for p, n in pair_bytes.items()]
-        rp = SimpleNamespace(sends=buckets, recvs=[])
-    else:
-        recvs = []
-        for t in range(tp, world):
-            parent.store.wait([f"raw/pairs/{t}"])
-            pairs = json.loads(parent.store.get(f"raw/pairs/{t}"))
-            if str(transfer_rank) in pairs:
-                recvs.append(SimpleNamespace(peer=t, payload=int(pairs[str(transfer_rank)])))
-        rp = SimpleNamespace(sends=[], recvs=recvs)
-    if transfer_rank == 0:
-        port = _free_port()
-        parent.store.set("raw/port", str(port))
-    else:
-        parent.store.wait(["raw/port"])
-        port = int(parent.store.get("raw/port"))
-    group = init_transfer_group(spec.get("transport", "gloo"), transfer_rank, world, "127.0.0.1", port,
-                                spec["timeout"], group_name="awex_fast_raw")
-    run, nbytes, refresh = _raw(group, rp, torch.device("cpu"))
-    return run, refresh, nbytes
-
-
-def raw_main(spec: dict) -> None:
-    """A stand-in receiver of the raw bound (transfer rank ``spec['rank']``)."""
-    parent = _Parent(spec["store_port"], spec["timeout"])
-    run, _, nbytes = _raw_runner(parent, spec, spec["rank"], None, "recv")
-    world = spec["tp"] + spec["trainers"]
-    times = []
-    for it in range(spec["iters"] + 1):
-        parent.barrier("raw", world)
-        t0 = time.perf_counter()
-        run()
-        if it > 0:
-            times.append(time.perf_counter() - t0)
-    parent.barrier("raw-done", world)
-    Path(spec["result"]).write_text(json.dumps({"times": times, "bytes": nbytes}))
-
-
-def _pair_bytes(engine: Any) -> dict[int, int]:
-    """Bytes awex_fast's plan sends from this trainer rank to each worker (transfer rank)."""
-    ex = engine.adapter._executor
-    return {int(peer): sum(m.nbytes for m in msgs) for peer, msgs in ex._sends.items()}
-
-
-def trainer_main(spec: dict) -> None:
-    """One FSDP2 trainer rank: init every route, time them interleaved, verify, report (rank 0)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from vllm.distributed.weight_transfer import (
-        HTTPVLLMWeightSyncClient,
-        ModuleSource,
-        WeightTransferTrainerFactory,
-    )
-
-    from awex_fast.vllm import AwexFastTrainerInitInfo
-    from awex_fast.vllm.baselines import BACKEND_NAME as BROADCAST
-    from awex_fast.vllm.baselines import BroadcastTrainerInitInfo
-
-    rank, world, url, timeout = spec["rank"], spec["trainers"], spec["url"], spec["timeout"]
-    methods = spec["methods"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["dist_port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
-    parent = _Parent(spec["store_port"], timeout)
-    config = AutoConfig.from_pretrained(spec["ckpt"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    source = ModuleSource(model)
-    inf_dtype = getattr(torch, spec["dtype"])
-    model_bytes = sum(p.numel() for p in model.parameters()) * inf_dtype.itemsize
-    client = HTTPVLLMWeightSyncClient(url)
-
-    def rewrite() -> None:
-        with torch.no_grad():
-            for t in locals_:
-                t.neg_()
-
-    awex = WeightTransferTrainerFactory.trainer_init(
-        AwexFastTrainerInitInfo(rank=rank, world_size=world, transport=spec.get("transport", "gloo")),
-        client=client, source=source)
-    bcast = None
-    if "broadcast" in methods:
-        if rank == 0:
-            _use_backend(url, BROADCAST, timeout)
-        bcast = WeightTransferTrainerFactory.trainer_init(
-            BroadcastTrainerInitInfo(rank=rank, num_workers=spec["tp"], dtype=spec["dtype"],
-                                     buffer_size_bytes=spec["buffer_mb"] << 20, timeout_s=timeout),
-            client=client, source=source)
-        if rank == 0:
-            _use_backend(url, "awex_fast", timeout)
-    dist.barrier()
-    raw = None
-    if "raw" in methods:
-        raw = _raw_runner(parent, spec, spec["tp"] + rank, _pair_bytes(awex), "send")
-    disk_dir = Path(spec["disk_dir"])
-    disk_file = disk_dir / "model.safetensors"
-
-    def run_disk() -> dict[str, float]:
-        from safetensors.torch import save_file
-
-        t0 = time.perf_counter()
-        full = {}
-        for name, tensor in source:  # the gathers: a collective on every rank
-            if rank == 0:
-                full[name] = tensor.to(inf_dtype)
-        if rank != 0:
-            return {}
-        disk_dir.mkdir(parents=True, exist_ok=True)
-        disk_file.unlink(missing_ok=True)
-        save_file(full, str(disk_file), metadata={"format": "pt"})
-        del full
-        t1 = time.perf_counter()
-        _post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(disk_dir)}},
-              timeout)
-        t2 = time.perf_counter()
-        return {"total": t2 - t0, "save": t1 - t0, "reload": t2 - t1, "finalize": None}
-
-    def run(method: str) -> dict[str, float | None]:
-        t0 = time.perf_counter()
-        if method == "awex_fast":
-            awex.send_weights()
-            lr = awex.last_round
-            out = {"start": lr.get("start_s"), "update": lr.get("update_s"), "send": lr.get("send_s"),
-                   "finalize": lr.get("finish_s")}
-        elif method == "broadcast":
-            assert bcast is not None
-            bcast.send_weights()
-            lr = bcast.last_round
-            out = {"start": lr.get("start_s"), "update": lr.get("update_s"), "finalize": lr.get("finish_s")}
-        elif method == "disk":
-            return run_disk()
-        else:
-            raise ValueError(method)
-        total = time.perf_counter() - t0
-        fin = out.get("finalize")
-        return {**out, "total": total, "transfer": total - fin if fin is not None else total}
-
-    def switch(method: str) -> None:
-        if rank == 0 and method in ("awex_fast", "broadcast"):
-            _use_backend(url, BROADCAST if method == "broadcast" else "awex_fast", timeout)
-
-    times: dict[str, list[dict]] = {m: [] for m in methods if m != "raw"}
-    for it in range(spec["iters"] + 1):
-        for method in methods:
-            if method == "raw":
-                assert raw is not None
-                raw[1]()  # rewrite the send buffers
-                parent.barrier("raw", spec["tp"] + world)
-                raw[0]()
-                continue
-            switch(method)
-            rewrite()
-            dist.barrier()
-            got = run(method)
-            dist.barrier()
-            if rank == 0 and method != "disk":  # each worker's own phases (untimed RPC)
-                workers = _post(url, "/collective_rpc", {"method": "awex_fast_last_timings"}, timeout)
-                for w, t in enumerate(workers.get("results", []) if workers else []):
-                    got.update({f"worker{w}_{k}": v for k, v in (t or {}).items()})
-            if it > 0 and rank == 0:
-                times[method].append(dict(got))
-            if rank == 0:
-                print(f"iter {it} {method}: {json.dumps(got)}", flush=True)
-    if raw is not None:
-        parent.barrier("raw-done", spec["tp"] + world)
-    # Verification: the same weights through every route, the server's checksums after each.
-    sums: dict[str, dict[str, str]] = {}
-    for method in [m for m in methods if m != "raw"] + ["awex_fast"]:
-        switch(method)
-        dist.barrier()
-        run(method)
-        dist.barrier()
-        if rank == 0:
-            got = _checksums(url, timeout)
-            if method in sums and sums[method] != got:
-                sums[method + "_again"] = got
-            sums.setdefault(method, got)
-    mismatches = {}
-    if rank == 0:
-        ref = sums["awex_fast"]
-        for m, s in sums.items():
-            bad = sorted(k for k in ref.keys() | s.keys() if ref.get(k) != s.get(k))
-            if bad:
-                mismatches[m] = bad[:8] + ([f"... {len(bad)} in all"] if len(bad) > 8 else [])
-    if rank == 0:
-        switch("awex_fast")
-    awex.shutdown()
-    if bcast is not None:
-        if rank == 0:
-            _use_backend(url, BROADCAST, timeout)
-        bcast.shutdown()
-    dist.barrier()
-    if rank == 0:
-        Path(spec["result"]).write_text(json.dumps({
-            "times": times, "model_bytes": model_bytes, "checksums_equal": not mismatches,
-            "mismatches": mismatches}))
-    dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> int:
-    """``python -m awex_fast.bench.vllm trainer|raw SPEC.json`` (spawned by `bench_vllm_main`)."""
-    if len(argv) == 2 and argv[0] in ("trainer", "raw"):
-        spec = json.loads(Path(argv[1]).read_text())
-        (trainer_main if argv[0] == "trainer" else raw_main)(spec)
-        return 0
-    return bench_vllm_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -226,28 +227,19 @@ def _awex(
     return AwexSync(plan, mine, is_train).run, nbytes
 
 
-def main(spec_path: str) -> int:
-    """Run one rank of the bench and write its result JSON."""
-    spec = json.loads(Path(spec_path).read_text())
-    rank, world, n_infer = spec["rank"], spec["world"], spec["n_infer"]
-    timeout = spec["timeout"]
-    parent = dist.TCPStore(
-        "127.0.0.1", spec["port"], is_master=False, timeout=datetime.timedelta(seconds=timeout)
-    )
-    barrier = Barrier(parent, world)
-    is_train = rank >= n_infer
-    if spec.get("copy_threads"):
-        afc.set_num_threads(spec["copy_threads"])
-    train, infer = layouts(spec)
-    t0 = time.perf_counter()
-    plan = build_plan(train, infer, bucket_bytes=spec["bucket_mb"] << 20)
-    rp = plan.for_rank(rank)
-    plan_s = time.perf_counter() - t0
+def _device(spec: dict, rank: int) -> torch.device:
+    """CPU for gloo and ipc; else one GPU per rank, round robin over the node's devices."""
     if spec["backend"] in ("gloo", "ipc"):
-        dev = torch.device("cpu")
-    else:  # one GPU per rank, round robin over the node's devices
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+        return torch.device("cpu")
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _local_tensors(spec: dict, train: list, infer: list, rank: int,
+                   dev: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's pieces: known values on a training rank, zeros on an inference rank."""
+    is_train = rank >= spec["n_infer"]
     tensors: dict[str, torch.Tensor] = {}
     for m in train if is_train else infer:
         for p in m.pieces():
@@ -257,33 +249,27 @@ def main(spec_path: str) -> int:
                     tensors[m.name] = values.to(dev, torch_dtype(spec["train_dtype"]))
                 else:
                     tensors[m.name] = torch.zeros(p.shape, dtype=torch_dtype(spec["dtype"]), device=dev)
-    # Transfer rank 0 binds a free port for the group's store and publishes it.
+    return tensors
+
+
+def _join_group(parent: dist.Store, spec: dict, rank: int) -> Any:
+    """The transfer group: transfer rank 0 binds a free port for its store and publishes it."""
+    world, timeout = spec["world"], spec["timeout"]
     if rank == 0:
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            world,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
         parent.set("group_port", str(store.port))
-        group = init_transfer_group(
-            spec["backend"], rank, world, "127.0.0.1", store.port, timeout, store=store
-        )
-    else:
-        parent.wait(["group_port"])
-        port = int(parent.get("group_port"))
-        group = init_transfer_group(spec["backend"], rank, world, "127.0.0.1", port, timeout)
-    ex = Executor(
-        wire_buckets(rp),
-        tensors,
-        group,
-        digest=plan.digest(),
-        verify=spec["verify"],
-        **{k: spec[k] for k in ("message_bytes", "solo_bytes") if spec.get(k)},
-    )
-    ex.handshake()
+        return init_transfer_group(spec["backend"], rank, world, "127.0.0.1", store.port, timeout,
+                                   store=store)
+    parent.wait(["group_port"])
+    port = int(parent.get("group_port"))
+    return init_transfer_group(spec["backend"], rank, world, "127.0.0.1", port, timeout)
+
+
+def _runners(spec: dict, parent: dist.Store, rank: int, ex: Executor, rp: Any, group: Any, train: list,
+             infer: list, tensors: dict[str, torch.Tensor], dev: torch.device) -> dict[str, tuple]:
+    """method -> (sync, bytes it moves, what runs untimed before each iteration, or None)."""
+    is_train = rank >= spec["n_infer"]
     version = [0]
 
     def sync() -> None:
@@ -294,7 +280,6 @@ def main(spec_path: str) -> int:
         for t in tensors.values():
             t.neg_()  # new weights every sync, same storage
 
-    # method -> (sync, bytes it moves, what runs before each iteration, untimed, or None)
     runners = {"awex_fast": (sync, rp.recv_bytes, new_weights if is_train else None)}
     if "raw" in spec["methods"]:
         runners["raw"] = _raw(group, rp, dev)
@@ -305,14 +290,20 @@ def main(spec_path: str) -> int:
         runners["naive"] = (*_naive(group, rank, spec, train, infer, tensors, dev), None)
     if "awex" in spec["methods"]:
         runners["awex"] = (*_awex(parent, rank, spec, train, infer, tensors, rp.recv_bytes), None)
-    times: dict[str, list[float]] = {m: [] for m in spec["methods"]}
-    cpu: dict[str, list[float]] = {m: [] for m in spec["methods"]}
-    nbytes = {}
-    verified, trace = True, []
-    for method in spec["methods"]:
-        fn, moved, before = runners[method]
-        nbytes[method] = moved
-        for it in range(spec["iters"] + 1):  # iteration 0 is the warm-up
+    return runners
+
+
+def _timed_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier) -> tuple[dict, dict]:
+    """Wall and CPU seconds of every method, interleaved: iteration ``i`` runs the methods rotated
+    by ``i`` (A B C, B C A, ...), so load that comes and goes on the host falls on all of them and
+    each iteration's ratios compare neighbours. Iteration 0 is the warm-up and is not kept."""
+    methods = list(spec["methods"])
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, list[float]] = {m: [] for m in methods}
+    for it in range(spec["iters"] + 1):
+        k = it % len(methods)
+        for method in methods[k:] + methods[:k]:
+            fn, _, before = runners[method]
             if before is not None:
                 before()
             barrier()
@@ -321,27 +312,62 @@ def main(spec_path: str) -> int:
             if it > 0:
                 times[method].append(time.perf_counter() - t1)
                 cpu[method].append(time.process_time() - c1)  # every thread of this process
-        if method == "awex_fast":
-            final_iteration = spec["iters"] + 1  # negations applied so far
-            if not is_train:
-                verified = verify(train, infer, rank, tensors, final_iteration)
-            trace = [vars(t) for t in ex.trace]
-        if method == "awex" and not is_train:  # Awex resent the iteration-0 weights every time
-            verified = verify(train, infer, rank, tensors, 0) and verified
+    return times, cpu
+
+
+def _verify_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier, train: list, infer: list,
+                   rank: int, tensors: dict[str, torch.Tensor]) -> bool:
+    """One more, untimed, round of each method that writes the inference weights, each checked on
+    the inference ranks before the next one overwrites them."""
+    is_train = rank >= spec["n_infer"]
+    # the training weights are negated before every awex_fast round, this one included
+    syncs = spec["iters"] + 2 if "awex_fast" in spec["methods"] else 0
+    expected = {"awex_fast": syncs, "naive": syncs, "awex": 0}  # Awex resends its iteration-0 copy
+    verified = True
+    for method in [m for m in ("awex_fast", "naive", "awex") if m in spec["methods"]]:
+        fn, _, before = runners[method]
+        if before is not None:
+            before()
+        barrier()
+        fn()
+        barrier()
+        if not is_train:
+            verified = verify(train, infer, rank, tensors, expected[method]) and verified
+    return verified
+
+
+def main(spec_path: str) -> int:
+    """Run one rank of the bench and write its result JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world, n_infer = spec["rank"], spec["world"], spec["n_infer"]
+    parent = dist.TCPStore("127.0.0.1", spec["port"], is_master=False,
+                           timeout=datetime.timedelta(seconds=spec["timeout"]))
+    barrier = Barrier(parent, world)
+    if spec.get("copy_threads"):
+        afc.set_num_threads(spec["copy_threads"])
+    train, infer = layouts(spec)
+    t0 = time.perf_counter()
+    plan = build_plan(train, infer, bucket_bytes=spec["bucket_mb"] << 20)
+    rp = plan.for_rank(rank)
+    plan_s = time.perf_counter() - t0
+    dev = _device(spec, rank)
+    tensors = _local_tensors(spec, train, infer, rank, dev)
+    group = _join_group(parent, spec, rank)
+    ex = Executor(wire_buckets(rp), tensors, group, digest=plan.digest(), verify=spec["verify"],
+                  **{k: spec[k] for k in ("message_bytes", "solo_bytes") if spec.get(k)})
+    ex.handshake()
+    runners = _runners(spec, parent, rank, ex, rp, group, train, infer, tensors, dev)
+    times, cpu = _timed_rounds(spec, runners, barrier)
+    verified = _verify_rounds(spec, runners, barrier, train, infer, rank, tensors)
     barrier()
     group.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     result = {
-        "rank": rank,
-        "times": times,
-        "cpu": cpu,
-        "bytes": {m: _global_bytes(parent, m, nbytes[m], rank, n_infer, world) for m in spec["methods"]},
-        "verified": verified,
-        "plan": plan.stats() if rank == 0 else {},
-        "plan_rank_s": plan_s,
-        "staging_bytes": ex.staging_bytes,
-        "trace": trace if spec["trace"] else [],
+        "rank": rank, "times": times, "cpu": cpu,
+        "bytes": {m: _global_bytes(parent, m, runners[m][1], rank, n_infer, world) for m in spec["methods"]},
+        "verified": verified, "plan": plan.stats() if rank == 0 else {}, "plan_rank_s": plan_s,
+        "staging_bytes": ex.staging_bytes, "trace": [vars(t) for t in ex.trace] if spec["trace"] else [],
     }
     Path(spec["result"]).write_text(json.dumps(result))
     return 0

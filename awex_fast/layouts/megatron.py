@@ -303,32 +303,16 @@ def megatron_metas(
     function returning a style or None). Raises ValueError naming the parameter when a split
     is not exact (Megatron requires divisibility) or a name has no rule.
     """
-    items = _items(named_shapes)
-    lay = layout
-    parsed = []
-    for name, shape in items:
-        style = None
-        if styles is not None:
-            style = styles.get(name) if isinstance(styles, Mapping) else styles(name)
-        if style is not None:
-            if style not in STYLES:
-                raise ValueError(f"parameter {name!r}: unknown style {style!r}; expected one of {STYLES}")
-            m = _LAYER.match(name)
-            e = _EXPERT.match(m.group(2)) if m else None
-            parsed.append(
-                (name, shape, style, int(m.group(1)) if m else None, int(e.group(1)) if e else None)
-            )
-        else:
-            parsed.append((name, shape, *megatron_style(name)))
+    parsed = _parse_styles(_items(named_shapes), styles)
     layers = [p[3] for p in parsed if p[3] is not None]
     num_layers = (max(layers) + 1 if layers else 0) if num_layers is None else num_layers
     if num_experts is None:
         experts = [p[4] for p in parsed if p[4] is not None]
         stacked = [p[1][0] for p in parsed if p[2] in (STACKED_GATE_UP, STACKED_DOWN)]
         num_experts = max([e + 1 for e in experts] + stacked + [0])
-    per_ep = _divisible("mlp.experts (routed experts)", num_experts, lay.ep, "ep") if num_experts else 1
-    builder = _Builder(lay, num_layers)
-    last = lay.pp - 1
+    per_ep = _divisible("mlp.experts (routed experts)", num_experts, layout.ep, "ep") if num_experts else 1
+    builder = _Builder(layout, num_layers)
+    last = layout.pp - 1
     out = []
     for name, shape, style, layer, expert in parsed:
         dt = dtype if isinstance(dtype, str) else dtype[name]
@@ -336,37 +320,60 @@ def megatron_metas(
             stage = builder.stages[layer]
         else:
             stage = 0 if name == "model.embed_tokens.weight" else last
-        shards: tuple[ShardMeta, ...] = ()
-        rules: tuple[ShardRule, ...] = ()
         if style == VOCAB:
             stages = [stage] + (
                 [last] if tie_word_embeddings and name == "model.embed_tokens.weight" and last else []
             )
-            shards = tuple(s for st in stages for s in _vocab_pieces(shape, lay, st, vocab_divisible_by))
-        elif (
-            style in (COLUMN, ROW)
-            and interleaved_qkv is not None
-            and re.search(r"self_attn\.[qkv]_proj\.", name)
-        ):
-            shards = _interleaved_qkv_pieces(name, shape, lay, stage, interleaved_qkv)
-        elif style in (COLUMN, ROW):
-            _divisible(name, shape[0 if style == COLUMN else 1], lay.tp, "tp")
-            rules = (builder.dense(style, stage),)
-        elif style == REPLICATED:
-            rules = (builder.dense(REPLICATED, stage),)
-        elif style in (EXPERT_COLUMN, EXPERT_ROW):
-            if expert is None:
-                raise ValueError(f"parameter {name!r}: style {style} needs an expert index in the name")
-            _divisible(name, shape[0 if style == EXPERT_COLUMN else 1], lay.expert_tp, "etp")
-            rules = (builder.expert(style, stage, expert // per_ep),)
-        elif style == STACKED_DOWN:
-            _divisible(name, shape[0], lay.ep, "ep")
-            _divisible(name, shape[2], lay.expert_tp, "etp")
-            rules = (builder.stacked_down(stage),)
-        else:  # STACKED_GATE_UP
-            shards = _stacked_gate_up_pieces(name, shape, lay, stage)
+            shards = tuple(s for st in stages for s in _vocab_pieces(shape, layout, st, vocab_divisible_by))
+            out.append(ParameterMeta(name, shape, dt, shards, ()))
+            continue
+        shards, rules = _pieces_or_rules(name, shape, style, stage, expert, layout, builder, per_ep,
+                                         interleaved_qkv)
         out.append(ParameterMeta(name, shape, dt, shards, rules))
     return out
+
+
+def _parse_styles(items: list[tuple[str, Sequence[int]]],
+                  styles: Mapping[str, str] | Callable[[str], str | None] | None) -> list[tuple]:
+    """(name, shape, style, layer or None, expert or None) of each name, ``styles`` first."""
+    parsed = []
+    for name, shape in items:
+        style = None
+        if styles is not None:
+            style = styles.get(name) if isinstance(styles, Mapping) else styles(name)
+        if style is None:
+            parsed.append((name, shape, *megatron_style(name)))
+            continue
+        if style not in STYLES:
+            raise ValueError(f"parameter {name!r}: unknown style {style!r}; expected one of {STYLES}")
+        m = _LAYER.match(name)
+        e = _EXPERT.match(m.group(2)) if m else None
+        parsed.append((name, shape, style, int(m.group(1)) if m else None, int(e.group(1)) if e else None))
+    return parsed
+
+
+def _pieces_or_rules(name: str, shape: Sequence[int], style: str, stage: int, expert: int | None,
+                     lay: ParallelLayout, builder: _Builder, per_ep: int,
+                     interleaved_qkv: tuple[int, int, int] | None,
+                     ) -> tuple[tuple[ShardMeta, ...], tuple[ShardRule, ...]]:
+    """The explicit pieces or the rules of one non-vocab parameter of style ``style``."""
+    if style in (COLUMN, ROW) and interleaved_qkv is not None and re.search(r"self_attn\.[qkv]_proj\.", name):
+        return _interleaved_qkv_pieces(name, shape, lay, stage, interleaved_qkv), ()
+    if style in (COLUMN, ROW):
+        _divisible(name, shape[0 if style == COLUMN else 1], lay.tp, "tp")
+        return (), (builder.dense(style, stage),)
+    if style == REPLICATED:
+        return (), (builder.dense(REPLICATED, stage),)
+    if style in (EXPERT_COLUMN, EXPERT_ROW):
+        if expert is None:
+            raise ValueError(f"parameter {name!r}: style {style} needs an expert index in the name")
+        _divisible(name, shape[0 if style == EXPERT_COLUMN else 1], lay.expert_tp, "etp")
+        return (), (builder.expert(style, stage, expert // per_ep),)
+    if style == STACKED_DOWN:
+        _divisible(name, shape[0], lay.ep, "ep")
+        _divisible(name, shape[2], lay.expert_tp, "etp")
+        return (), (builder.stacked_down(stage),)
+    return _stacked_gate_up_pieces(name, shape, lay, stage), ()  # STACKED_GATE_UP
 
 
 def _vocab_pieces(

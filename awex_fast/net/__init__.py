@@ -9,6 +9,7 @@ from __future__ import annotations
 from awex_fast._lazy import lazy_exports
 
 _EXPORTS = {
+    "free_port": "ports",
     "ADMIN_KEY_ENV": "kvstore",
     "KVStore": "kvstore",
     "KVStoreFull": "kvstore",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +45,7 @@ from vllm.distributed.weight_transfer.packed_tensor import (
     unpack_tensor,
 )
 
+from awex_fast.net import free_port
 from awex_fast.transport.torch_dist import TorchTransferGroup
 
 __all__ = [
@@ -193,12 +193,6 @@ class BroadcastTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 300.0
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[BroadcastTrainerInitInfo]):
     """Trainer engine of ``"awex_fast_broadcast"``: rank 0 gathers, packs, broadcasts; the other
     ranks only join the gather (vLLM's `NCCLTrainerWeightTransferEngine`)."""
@@ -224,7 +218,7 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
         if not engine.is_sender:
             return engine
         info = init_info
-        port = int(info.master_port) or _free_port(info.master_address)
+        port = int(info.master_port) or free_port(info.master_address)
         world = 1 + int(info.num_workers)
         worker_info = BroadcastWorkerInitInfo(master_address=info.master_address, master_port=port,
                                               world_size=world, buffer_size_bytes=int(info.buffer_size_bytes),

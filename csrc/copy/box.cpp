@@ -128,12 +128,23 @@ std::vector<Box> normalize(const int64_t* desc, int64_t n, int max_unit) {
   return boxes;
 }
 
-std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n) {
-  struct Span {
-    uintptr_t lo, hi;
-    int64_t box;
-  };
-  std::vector<Span> spans;
+namespace {
+
+// The byte interval one destination box spans (first to last byte, not every byte).
+struct Span {
+  uintptr_t lo, hi;
+  int64_t box;
+};
+
+// A contiguous byte interval of one box's destination.
+struct Run {
+  uintptr_t lo, hi;
+  int64_t box;
+};
+
+// Spans of the non-empty boxes, sorted by start; returns the index of a box whose destination
+// broadcasts (a stride-0 dim of size > 1: it overlaps itself), or -1.
+int64_t dst_spans(const int64_t* desc, int64_t n, std::vector<Span>& spans) {
   spans.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* row = desc + i * kDescWords;
@@ -145,7 +156,7 @@ std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n) {
     if (empty) continue;
     for (int d = 0; d < ndim; ++d) {
       const int64_t sh = row[kShapeAt + d];
-      if (sh > 1 && row[kDstStrideAt + d] == 0) return {i, i};  // broadcast destination
+      if (sh > 1 && row[kDstStrideAt + d] == 0) return i;  // broadcast destination
       extent += static_cast<uintptr_t>((sh - 1) * row[kDstStrideAt + d] * size);
     }
     const auto lo = static_cast<uintptr_t>(row[1]);
@@ -153,45 +164,65 @@ std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n) {
   }
   std::sort(spans.begin(), spans.end(),
             [](const Span& a, const Span& b) { return a.lo < b.lo || (a.lo == b.lo && a.box < b.box); });
+  return -1;
+}
 
-  // Runs of one box: contiguous byte intervals of its destination, found by walking the outer
-  // dims with an odometer (the innermost dim is one run when its stride is 1).
-  struct Run {
-    uintptr_t lo, hi;
-    int64_t box;
-  };
-  auto runs_of = [&](int64_t i, std::vector<Run>& out) {
-    const int64_t* row = desc + i * kDescWords;
-    int64_t shape[kMaxDims], st[kMaxDims], dummy[kMaxDims];
-    int ndim = static_cast<int>(row[2]);
-    for (int d = 0; d < ndim; ++d) {
-      shape[d] = row[kShapeAt + d];
-      st[d] = row[kDstStrideAt + d];
-      dummy[d] = st[d];
+// Appends the runs of box ``i``: contiguous byte intervals of its destination, found by walking
+// the outer dims with an odometer (the innermost dim is one run when its stride is 1).
+void append_dst_runs(const int64_t* desc, int64_t i, std::vector<Run>& out) {
+  const int64_t* row = desc + i * kDescWords;
+  int64_t shape[kMaxDims], st[kMaxDims], dummy[kMaxDims];
+  int ndim = static_cast<int>(row[2]);
+  for (int d = 0; d < ndim; ++d) {
+    shape[d] = row[kShapeAt + d];
+    st[d] = row[kDstStrideAt + d];
+    dummy[d] = st[d];
+  }
+  ndim = coalesce(ndim, shape, st, dummy);
+  const int64_t size = code_size(row[4]);
+  const bool inner_run = st[ndim - 1] == 1;
+  const int outer = inner_run ? ndim - 1 : ndim;
+  const uintptr_t run_bytes = inner_run ? static_cast<uintptr_t>(shape[ndim - 1] * size) : size;
+  int64_t idx[kMaxDims] = {0};
+  const auto base = static_cast<uintptr_t>(row[1]);
+  while (true) {
+    int64_t off = 0;
+    for (int d = 0; d < outer; ++d) off += idx[d] * st[d];
+    const uintptr_t lo = base + static_cast<uintptr_t>(off * size);
+    out.push_back({lo, lo + run_bytes, i});
+    AWEX_CHECK_ARG(out.size() < (size_t{1} << 26), "destination boxes too fragmented to verify "
+                                                    "that they do not overlap (over 2^26 runs)");
+    int d = outer - 1;
+    for (; d >= 0; --d) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
     }
-    ndim = coalesce(ndim, shape, st, dummy);
-    const int64_t size = code_size(row[4]);
-    const bool inner_run = st[ndim - 1] == 1;
-    const int outer = inner_run ? ndim - 1 : ndim;
-    const uintptr_t run_bytes = inner_run ? static_cast<uintptr_t>(shape[ndim - 1] * size) : size;
-    int64_t idx[kMaxDims] = {0};
-    const auto base = static_cast<uintptr_t>(row[1]);
-    while (true) {
-      int64_t off = 0;
-      for (int d = 0; d < outer; ++d) off += idx[d] * st[d];
-      const uintptr_t lo = base + static_cast<uintptr_t>(off * size);
-      out.push_back({lo, lo + run_bytes, i});
-      AWEX_CHECK_ARG(out.size() < (size_t{1} << 26), "destination boxes too fragmented to verify "
-                                                      "that they do not overlap (over 2^26 runs)");
-      int d = outer - 1;
-      for (; d >= 0; --d) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-      }
-      if (d < 0) break;
-    }
-  };
+    if (d < 0) break;
+  }
+}
 
+// Sorts ``runs`` and returns the (lower, higher) box indices of the first two that overlap, or
+// {-1, -1}.
+std::pair<int64_t, int64_t> first_run_overlap(std::vector<Run>& runs) {
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.lo < b.lo; });
+  uintptr_t max_hi = runs[0].hi;
+  int64_t owner = runs[0].box;
+  for (size_t r = 1; r < runs.size(); ++r) {
+    if (runs[r].lo < max_hi) return {std::min(owner, runs[r].box), std::max(owner, runs[r].box)};
+    if (runs[r].hi > max_hi) {
+      max_hi = runs[r].hi;
+      owner = runs[r].box;
+    }
+  }
+  return {-1, -1};
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n) {
+  std::vector<Span> spans;
+  const int64_t broadcast = dst_spans(desc, n, spans);
+  if (broadcast >= 0) return {broadcast, broadcast};
   // Sweep clusters of boxes whose spans meet; only those need the run-level check.
   size_t k = 0;
   std::vector<Run> runs;
@@ -199,27 +230,13 @@ std::pair<int64_t, int64_t> find_dst_overlap(const int64_t* desc, int64_t n) {
     size_t end = k + 1;
     uintptr_t hi = spans[k].hi;
     while (end < spans.size() && spans[end].lo < hi) hi = std::max(hi, spans[end++].hi);
-    if (end - k > 1) {
+    // A single box can still overlap itself through its strides (as_strided views); only boxes
+    // whose strides do not nest need the run-level check.
+    if (end - k > 1 || !strides_nest(desc + spans[k].box * kDescWords)) {
       runs.clear();
-      for (size_t m = k; m < end; ++m) runs_of(spans[m].box, runs);
-      std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.lo < b.lo; });
-      uintptr_t max_hi = runs[0].hi;
-      int64_t owner = runs[0].box;
-      for (size_t r = 1; r < runs.size(); ++r) {
-        if (runs[r].lo < max_hi) return {std::min(owner, runs[r].box), std::max(owner, runs[r].box)};
-        if (runs[r].hi > max_hi) {
-          max_hi = runs[r].hi;
-          owner = runs[r].box;
-        }
-      }
-    } else if (!strides_nest(desc + spans[k].box * kDescWords)) {
-      // A single box can still overlap itself through its strides (as_strided views); only
-      // boxes whose strides do not nest need the run-level check.
-      runs.clear();
-      runs_of(spans[k].box, runs);
-      std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.lo < b.lo; });
-      for (size_t r = 1; r < runs.size(); ++r)
-        if (runs[r].lo < runs[r - 1].hi) return {spans[k].box, spans[k].box};
+      for (size_t m = k; m < end; ++m) append_dst_runs(desc, spans[m].box, runs);
+      const auto hit = first_run_overlap(runs);
+      if (hit.first >= 0) return hit;
     }
     k = end;
   }

@@ -14,7 +14,7 @@ forwards its rank's call to a `Gang`:
   then runs as one ``adapter`` op on the engine loop: all ranks call their adapter between the
   same two steps. An update that fails on any rank marks the weights invalid (generation is
   refused until an update lands); one that lands bumps the version and recomputes the KV cache
-  of running requests (`python_engines.inference.server.EngineLoop.run_adapter`).
+  of running requests (`python_engines.inference.loop.EngineLoop.run_adapter`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from awex_fast.meta import ParameterMeta, metas_from_json
 
 if TYPE_CHECKING:
-    from python_engines.inference.server import EngineLoop
+    from python_engines.inference.loop import EngineLoop
 
 __all__ = ["Gang", "GangError", "RankProxy"]
 

@@ -13,18 +13,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from awex_fast.net import check_bearer, json_error, json_error_middleware, read_json_body
 from awex_fast.sync import MAX_BODY_BYTES, worker_routes
 from python_engines.inference.gang import Gang, RankProxy
+from python_engines.inference.loop import EngineLoop, UpdateFailed
 from python_engines.inference.sampling import SamplingParams
 from python_engines.inference.scheduler import Sequence
-
-if TYPE_CHECKING:
-    from python_engines.inference.server import EngineLoop
 
 __all__ = ["build_app"]
 
@@ -47,22 +45,26 @@ def _int_list(value: Any, what: str, upper: int | None = None) -> list[int]:
     return value
 
 
-def build_app(engine: EngineLoop, admin_key: str) -> web.Application:
-    """The aiohttp application serving ``engine``; ``admin_key`` guards mutating routes."""
-    if not admin_key:
-        raise ValueError("build_app: admin_key is empty; the server needs a key for mutating routes")
-    vocab = engine.worker.args.vocab_size
-    tp_size = engine.worker.tp_size
+class _InferenceRoutes:
+    """The handlers of the main routes, over one engine loop; each hands its work to the loop."""
 
-    async def on_loop(fn: Any) -> Any:
-        return await asyncio.wrap_future(engine.call(fn))
+    def __init__(self, engine: EngineLoop, admin_key: str) -> None:
+        self.engine = engine
+        self.admin_key = admin_key
+        self.vocab = engine.worker.args.vocab_size
+        self.tp_size = engine.worker.tp_size
 
-    def auth(request: web.Request) -> None:
-        check_bearer(request, admin_key)
+    async def on_loop(self, fn: Any) -> Any:
+        """Run ``fn`` on the engine loop between two steps and await its result."""
+        return await asyncio.wrap_future(self.engine.call(fn))
 
-    async def generate(request: web.Request) -> web.Response:
+    def auth(self, request: web.Request) -> None:
+        """Refuse a mutating request without the admin key (401)."""
+        check_bearer(request, self.admin_key)
+
+    async def generate(self, request: web.Request) -> web.Response:
         body = await read_json_body(request, _MAX_BODY, required_fields=["input_ids"])
-        prompt = _int_list(body["input_ids"], "input_ids", vocab)
+        prompt = _int_list(body["input_ids"], "input_ids", self.vocab)
         raw = dict(body.get("sampling_params") or {})
         n = raw.pop("n_samples", 1)
         if not isinstance(n, int) or n < 1:
@@ -77,14 +79,14 @@ def build_app(engine: EngineLoop, admin_key: str) -> web.Application:
                 for p, f in zip(params, futures, strict=True)]
 
         def add() -> None:
-            refusal = engine.refusal()
+            refusal = self.engine.refusal()
             if refusal is not None:
                 raise _WeightsInvalid(refusal)
             for s in seqs:
-                engine.scheduler.add(s)
+                self.engine.scheduler.add(s)
 
         try:
-            await on_loop(add)
+            await self.on_loop(add)
         except _WeightsInvalid as exc:
             raise json_error(503, f"generation refused: {exc}", code=WEIGHTS_INVALID) from None
         except ValueError as exc:
@@ -92,80 +94,91 @@ def build_app(engine: EngineLoop, admin_key: str) -> web.Application:
         try:
             done = [await asyncio.wrap_future(f) for f in futures]
         except asyncio.CancelledError:
-            engine.call(lambda: engine.scheduler.abort(rid))
+            self.engine.call(lambda: self.engine.scheduler.abort(rid))
             raise
         errors = [s.error for s in done if s.stop_reason == "error"]
         if errors:
             raise json_error(503, f"generation failed: {errors[0]}", code=WEIGHTS_INVALID)
         return web.json_response({"rid": rid, "input_tokens": prompt, "outputs": [s.to_json() for s in done]})
 
-    async def pause(request: web.Request) -> web.Response:
-        auth(request)
+    async def pause(self, request: web.Request) -> web.Response:
+        self.auth(request)
 
         def run() -> int:
-            engine.scheduler.paused = True
-            return engine.scheduler.interrupt_all()
+            self.engine.scheduler.paused = True
+            return self.engine.scheduler.interrupt_all()
 
-        return web.json_response({"success": True, "interrupted": await on_loop(run)})
+        return web.json_response({"success": True, "interrupted": await self.on_loop(run)})
 
-    async def resume(request: web.Request) -> web.Response:
-        auth(request)
+    async def resume(self, request: web.Request) -> web.Response:
+        self.auth(request)
 
         def run() -> None:
-            engine.scheduler.paused = False
+            self.engine.scheduler.paused = False
 
-        await on_loop(run)
+        await self.on_loop(run)
         return web.json_response({"success": True})
 
-    async def update_from_disk(request: web.Request) -> web.Response:
-        auth(request)
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        self.auth(request)
         body = await read_json_body(request, _MAX_BODY, required_fields=["model_path"])
         path, version = body["model_path"], body.get("version")
         if not isinstance(path, str) or not path:
             raise json_error(400, "model_path must be a non-empty string")
         if version is not None and not isinstance(version, int):
             raise json_error(400, f"version must be an integer or null, got {version!r}")
-        from python_engines.inference.server import UpdateFailed
-
         try:
-            result = await on_loop(lambda: engine.run_update({"op": "load_disk", "path": path}, version,
-                                                             f"weight update from disk {path}"))
+            op, what = {"op": "load_disk", "path": path}, f"weight update from disk {path}"
+            result = await self.on_loop(lambda: self.engine.run_update(op, version, what))
         except UpdateFailed as exc:
             raise json_error(500, str(exc), success=False) from None
         return web.json_response(result)
 
-    async def set_version(request: web.Request) -> web.Response:
-        auth(request)
+    async def set_version(self, request: web.Request) -> web.Response:
+        self.auth(request)
         body = await read_json_body(request, 1 << 16, required_fields=["version"])
         version = body["version"]
         if not isinstance(version, int) or isinstance(version, bool):
             raise json_error(400, f"version must be an integer, got {version!r}")
 
         def run() -> None:
-            engine.version = version
+            self.engine.version = version
 
-        await on_loop(run)
+        await self.on_loop(run)
         return web.json_response({"success": True, "version": version})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "version": engine.version, "tp_size": tp_size,
-                                  "weights_valid": engine.refusal() is None,
-                                  "weight_sync": engine.weight_sync,
-                                  "awex_workers": [f"/tp/{r}" for r in range(tp_size)]})
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "version": self.engine.version, "tp_size": self.tp_size,
+                                  "weights_valid": self.engine.refusal() is None,
+                                  "weight_sync": self.engine.weight_sync,
+                                  "awex_workers": [f"/tp/{r}" for r in range(self.tp_size)]})
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.json_response(await on_loop(engine.metrics))
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.on_loop(self.engine.metrics))
 
+
+def build_app(engine: EngineLoop, admin_key: str) -> web.Application:
+    """The aiohttp application serving ``engine``; ``admin_key`` guards mutating routes."""
+    if not admin_key:
+        raise ValueError("build_app: admin_key is empty; the server needs a key for mutating routes")
+    routes = _InferenceRoutes(engine, admin_key)
     app = web.Application(middlewares=[json_error_middleware], client_max_size=_MAX_BODY)
     app.add_routes([
-        web.post("/generate", generate),
-        web.post("/pause_generation", pause),
-        web.post("/continue_generation", resume),
-        web.post("/update_weights_from_disk", update_from_disk),
-        web.post("/set_version", set_version),
-        web.get("/health", health),
-        web.get("/metrics", metrics),
+        web.post("/generate", routes.generate),
+        web.post("/pause_generation", routes.pause),
+        web.post("/continue_generation", routes.resume),
+        web.post("/update_weights_from_disk", routes.update_from_disk),
+        web.post("/set_version", routes.set_version),
+        web.get("/health", routes.health),
+        web.get("/metrics", routes.metrics),
     ])
+    _add_worker_routes(app, engine, admin_key)
+    return app
+
+
+def _add_worker_routes(app: web.Application, engine: EngineLoop, admin_key: str) -> None:
+    """The ``/awex/*`` worker routes of every TP rank under ``/tp/{r}/``, rank 0's also at the root."""
+    tp_size = engine.worker.tp_size
     cfg = engine.config
     gang = Gang(engine, tp_size, cfg.gang_timeout_s, cfg.transfer_timeout_s + cfg.gang_timeout_s + 30)
     proxies = [RankProxy(gang, r, tp_size, admin_key) for r in range(tp_size)]
@@ -174,4 +187,3 @@ def build_app(engine: EngineLoop, admin_key: str) -> web.Application:
         sub.add_routes(worker_routes(proxy, admin_key))
         app.add_subapp(f"/tp/{r}/", sub)
     app.add_routes(worker_routes(proxies[0], admin_key))  # /awex/*: TP rank 0 (alias of /tp/0/awex/*)
-    return app

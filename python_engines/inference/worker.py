@@ -65,7 +65,7 @@ _ADAPTER_METHODS = ("init_weight_update_group", "execute_weight_update", "batch_
 class Worker:
     """Model, KV cache and op execution of one TP rank; see the module docstring.
 
-    ``config`` is the server's JSON config (see `python_engines.inference.server.ServerConfig`).
+    ``config`` is the server's JSON config (see `python_engines.inference.config.ServerConfig`).
     Call after the default process group exists (``backend`` gloo on CPU, nccl on GPU).
     """
 
