@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "metas_from_awex": "awex_fast.meta",
     "metas_from_json": "awex_fast.meta",
     "metas_to_json": "awex_fast.meta",
+    "metas_from_b64": "awex_fast.meta",
+    "metas_to_b64": "awex_fast.meta",
     "transfer_ranks": "awex_fast.meta",
     "validate_metas": "awex_fast.meta",
     "with_rank_offset": "awex_fast.meta",

@@ -21,7 +21,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("awex_fast.cli", "plan_main", "plan a named model between two layouts and print stats"),
     "bench": ("awex_fast.bench.run", "bench_main", "measure weight-sync latency and bandwidth"),
     "kv-server": ("awex_fast.net.kv_server", "kv_server_main", "serve the HTTP KV store for metadata"),
-    "gateway": ("awex_fast.sync.pair", "gateway_main", "run the pair controller's HTTP gateway"),
+    "gateway": ("awex_fast.sync.gateway", "gateway_main", "run the pair controller's HTTP gateway"),
 }
 
 

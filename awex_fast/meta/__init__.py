@@ -23,6 +23,8 @@ _EXPORTS = {
     "metas_from_awex": "core",
     "metas_to_json": "codec",
     "metas_from_json": "codec",
+    "metas_to_b64": "codec",
+    "metas_from_b64": "codec",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,4 +1,5 @@
-"""Versioned JSON for shard metadata (`metas_to_json` / `metas_from_json`).
+"""Versioned JSON for shard metadata (`metas_to_json` / `metas_from_json`), and the one base64
+form of it that travels inside JSON values (`metas_to_b64` / `metas_from_b64`).
 
 Compact by design: a top-level rule table that parameters reference by index (70k MoE tensors
 share a handful of rules), rank lists with ``[start, stop, step]`` runs, empty fields left out.
@@ -8,6 +9,8 @@ Never pickle. `awex_fast.meta.core` re-exports these names.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import operator
@@ -245,3 +248,25 @@ def metas_from_json(
         names = {m.name for m in metas}
         validate_metas(metas if len(names) == len(metas) else merge_metas([metas]))
     return metas
+
+
+def metas_to_b64(metas: Iterable[ParameterMeta]) -> str:
+    """`metas_to_json`, base64-encoded to ASCII: the form metadata takes inside a JSON value
+    (worker reports, KV values). `metas_from_b64` is its inverse."""
+    return base64.b64encode(metas_to_json(metas)).decode("ascii")
+
+
+def metas_from_b64(text: str | bytes, *, what: str) -> list[ParameterMeta]:
+    """Inverse of `metas_to_b64`, always validated (`metas_from_json` with validation). ``what``
+    names the source (a worker, a KV key, a group) in every error: input that is not a string,
+    not strict base64, or not valid metas JSON raises `MetadataError` starting with ``what``."""
+    if not isinstance(text, (str, bytes)):
+        raise MetadataError(f"{what}: metadata must be a base64 string, got {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MetadataError(f"{what}: metadata is not base64: {exc}") from None
+    try:
+        return metas_from_json(raw)
+    except MetadataError as exc:
+        raise MetadataError(f"{what}: {exc}") from None

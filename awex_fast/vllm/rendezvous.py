@@ -2,7 +2,8 @@
 
 vLLM's weight-transfer API gives the trainer one channel to the workers: four RPCs driven by
 trainer rank 0. Everything else goes through an awex_fast KV store (hosted by trainer rank 0
-unless the user runs one), with the keys of the adapters' protocol (`awex_fast.sync.adapters`):
+unless the user runs one), with the keys of the adapters' protocol (`awex_fast.sync.protocol`) and
+the steps of the one join (`awex_fast.sync.join`):
 
 1. every trainer rank publishes its pieces under `train_rank_key` (side-local ranks);
 2. trainer rank 0 merges them into ``training_params_meta`` (`collect_training`);
@@ -17,7 +18,9 @@ unless the user runs one), with the keys of the adapters' protocol (`awex_fast.s
    the first worker that raises, so the other workers' replies answer the *next* RPC, and the
    server is wedged. Trainer rank 0 reads the outcomes (`worker_errors`) and raises.
 
-Values are the adapters' `encode_side_metas` JSON (base64 metas inside), never pickle.
+Values are the join's `encode_side_metas` JSON (base64 metas inside), never pickle. A value
+that never comes raises `awex_fast.sync.JoinTimeoutError` (a `TimeoutError`) naming the step,
+the pair, the KV store and who did not publish.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from awex_fast.meta import ParameterMeta, merge_metas
+from awex_fast.meta import MetadataError, ParameterMeta, merge_metas
 from awex_fast.net import KVStoreClient, KVTimeoutError
 from awex_fast.sync import (
-    INFER_META_KEY,
-    TRAINING_META_KEY,
     decode_side_metas,
     encode_side_metas,
+    gather_rank_metas,
+    publish_side,
+    wait_side,
+    wait_value,
 )
 
 __all__ = [
@@ -71,34 +76,30 @@ def publish_training_rank(kv: KVStoreClient, pair: str, rank: int, world_size: i
     kv.put(pair, train_rank_key(rank), encode_side_metas("training", [metas], [world_size]))
 
 
-def _wait(kv: KVStoreClient, pair: str, key: str, timeout_s: float, who: str) -> dict:
+def _one_group(value: object, side: str, who: str) -> tuple[int, list[ParameterMeta]]:
+    """(size, metas) of a one-group side value that ``who`` published; `MetadataError` naming it."""
     try:
-        return kv.wait(pair, key, timeout_s)
-    except KVTimeoutError:
-        raise TimeoutError(f"{who} did not publish its metadata (KV key {key!r} of pair {pair!r}) "
-                           f"within {timeout_s:.0f} s") from None
+        sizes, groups = decode_side_metas(value, side)
+    except MetadataError as exc:
+        raise MetadataError(f"{who}: {exc}") from None
+    return sizes[0], groups[0]
 
 
 def collect_training(kv: KVStoreClient, pair: str, world_size: int, timeout_s: float,
                      bucket_bytes: int) -> list[ParameterMeta]:
     """Step 2 (trainer rank 0): merge every training rank's pieces, publish
     ``training_params_meta`` with the bucket size every rank plans with; returns the merge."""
-    deadline = time.monotonic() + timeout_s
-    groups = []
-    for r in range(world_size):
-        left = max(0.0, deadline - time.monotonic())
-        value = _wait(kv, pair, train_rank_key(r), left, f"training rank {r}")
-        groups.append(decode_side_metas(value, "training")[1][0])
+    groups = gather_rank_metas(kv, pair, [train_rank_key(r) for r in range(world_size)], timeout_s,
+                               step="collect training metadata", who="training rank",
+                               decode=lambda value, what: _one_group(value, "training", what)[1])
     merged = merge_metas(groups)
-    kv.put(pair, TRAINING_META_KEY, encode_side_metas("training", [merged], [world_size],
-                                                      bucket_bytes=bucket_bytes))
+    publish_side(kv, pair, "training", [merged], [world_size], bucket_bytes=bucket_bytes)
     return merged
 
 
 def training_metas(kv: KVStoreClient, pair: str, timeout_s: float) -> list[ParameterMeta]:
     """Step 3 (a worker): the merged training metadata (side-local training ranks)."""
-    value = _wait(kv, pair, TRAINING_META_KEY, timeout_s, "trainer rank 0")
-    return decode_side_metas(value, "training")[1][0]
+    return wait_side(kv, pair, "training", timeout_s, who="trainer rank 0")[1][0]
 
 
 def publish_worker(kv: KVStoreClient, pair: str, engine: int, rank: int, engine_size: int,
@@ -115,11 +116,11 @@ def publish_worker_error(kv: KVStoreClient, pair: str, engine: int, rank: int, e
 def _worker_value(kv: KVStoreClient, pair: str, engine: int, rank: int, deadline: float,
                   where: str) -> tuple[int, list[ParameterMeta]]:
     who = f"vLLM engine {engine} ({where}) worker {rank}"
-    value = _wait(kv, pair, worker_key(engine, rank), max(0.0, deadline - time.monotonic()), who)
+    value = wait_value(kv, pair, worker_key(engine, rank), max(0.0, deadline - time.monotonic()),
+                       step="collect inference metadata", who=who, rank=rank)
     if isinstance(value, dict) and "error" in value:
         raise WorkerInitError(f"{who} failed to join: {value['error']}")
-    sizes, groups = decode_side_metas(value, "inference")
-    return sizes[0], groups[0]
+    return _one_group(value, "inference", who)
 
 
 def collect_inference(kv: KVStoreClient, pair: str, engines: Sequence[str], timeout_s: float) -> list[int]:
@@ -138,14 +139,13 @@ def collect_inference(kv: KVStoreClient, pair: str, engines: Sequence[str], time
             metas.append(m)
         sizes.append(size)
         groups.append(merge_metas(metas))
-    kv.put(pair, INFER_META_KEY, encode_side_metas("inference", groups, sizes))
+    publish_side(kv, pair, "inference", groups, sizes)
     return sizes
 
 
 def engine_sizes(kv: KVStoreClient, pair: str, timeout_s: float) -> list[int]:
     """Step 5: the engine sizes published in ``infer_params_meta`` (waits for it)."""
-    value = _wait(kv, pair, INFER_META_KEY, timeout_s, "trainer rank 0 (infer_params_meta)")
-    return decode_side_metas(value, "inference")[0]
+    return wait_side(kv, pair, "inference", timeout_s, who="trainer rank 0 (infer_params_meta)")[0]
 
 
 def worker_status_key(engine: int, rank: int, what: str) -> str:

@@ -48,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, dtype_name
 from awex_fast.net import ADMIN_KEY_ENV, KVStoreClient, KVStoreServer
-from awex_fast.sync import TrainingAdapter
+from awex_fast.sync import TrainingAdapter, World
 from awex_fast.transport import BACKENDS, TransferError
 from awex_fast.vllm import rendezvous
 from awex_fast.vllm.worker import LOAD_MODES, AwexFastWorkerInitInfo
@@ -174,7 +174,7 @@ class ShardedSource(WeightSource):
 def _check_module_shapes(module: nn.Module, metas: Sequence[ParameterMeta]) -> None:
     """Local shards must be the size their metadata says (a stale ``.data`` rebinding would
     otherwise send or receive the wrong bytes)."""
-    from awex_fast.sync.adapters import _local
+    from awex_fast.sync.adapter_base import local_tensor as _local
 
     by_name = dict(module.named_parameters())
     for m in metas:
@@ -315,12 +315,9 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
                 sizes = _collect_or_fail(kv, pair, inits, info.timeout_s)
             else:
                 sizes = rendezvous.engine_sizes(kv, pair, info.timeout_s)
-            infer_world = sum(sizes)
-            adapter.init_weight_update_group(
-                pair_name=pair, master_addr=info.master_addr, master_port=0,
-                transfer_rank=infer_world + self.rank, world_size=infer_world + world,
-                kv_store_url=self.kv_url, infer_world_size=infer_world, train_world_size=world,
-                num_engines=len(sizes))
+            tw = World(tuple(sizes), world)
+            adapter.init_weight_update_group(**tw.init_args(pair, self.kv_url, info.master_addr, 0,
+                                                            tw.training_rank(self.rank)))
             adapter.batch_isend_irecv()
             for where, fut in inits:
                 _result(fut, where, "init_weight_transfer_engine", info.timeout_s)

@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta
 from awex_fast.net import KVStoreClient
-from awex_fast.sync import InferenceAdapter
+from awex_fast.sync import InferenceAdapter, World
 from awex_fast.transport import TransferError
 from awex_fast.vllm import rendezvous
 from awex_fast.vllm.cpu_moe import cpu_fused_experts, write_processed_experts
@@ -152,13 +152,11 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                                    timeout_s=info.timeout_s, verify=info.verify)
         try:
             sizes = rendezvous.engine_sizes(kv, info.pair, info.timeout_s)
-            infer_world = sum(sizes)
-            base = sum(sizes[: info.engine_index])
-            adapter.init_weight_update_group(
-                pair_name=info.pair, master_addr=info.master_addr, master_port=0,
-                transfer_rank=base + self.engine_rank, world_size=infer_world + info.train_world_size,
-                kv_store_url=info.kv_store_url, infer_world_size=infer_world,
-                train_world_size=info.train_world_size, num_engines=info.num_engines)
+            world = World(tuple(sizes), info.train_world_size)
+            transfer_rank = world.inference_rank(info.engine_index, self.engine_rank)
+            # num_engines as the trainer announced it: published sizes that disagree fail the init
+            args = world.init_args(info.pair, info.kv_store_url, info.master_addr, 0, transfer_rank)
+            adapter.init_weight_update_group(**{**args, "num_engines": info.num_engines})
             adapter.batch_isend_irecv()
         except Exception as exc:  # reported to the trainer, never raised
             adapter.teardown_weight_update_group()
@@ -168,7 +166,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         self.adapter = adapter
         self._status("joined")
         logger.info("awex_fast: %s joined pair %r as transfer rank %d (%s, %d names, %d staged)", self.who,
-                    info.pair, base + self.engine_rank, self.mode, len(self._tensors), len(self._staged))
+                    info.pair, transfer_rank, self.mode, len(self._tensors), len(self._staged))
 
     def _status(self, what: str, error: BaseException | str | None = None) -> None:
         if self._kv is not None and self.info is not None:

@@ -26,8 +26,8 @@ Contract:
   training side follows (`python_engines.train.engine`, DESIGN.md "Who drives an update"):
   every TP rank leaves any old group; the client collects every rank's side-local metadata,
   merges it per server (one engine per server, in address order), deletes a stale
-  ``transfer_master_port``, publishes ``infer_params_meta`` (`awex_fast.sync.adapters.
-  encode_side_metas`, the engine sizes = TP sizes), waits for ``training_params_meta`` for the
+  ``transfer_master_port``, publishes ``infer_params_meta`` (`awex_fast.sync.join`'s
+  `publish_side`, the engine sizes = TP sizes), waits for ``training_params_meta`` for the
   training world size, then every TP rank calls ``init_weight_update_group`` at once, with
   transfer rank = prefix sum of the earlier servers' TP sizes + its TP rank (master port 0:
   inference transfer rank 0 binds and publishes one). The join runs in the Future, so the
@@ -40,7 +40,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import contextlib
 import itertools
@@ -52,7 +51,18 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from awex_fast.net import EventLoopThread, auth_headers, backoff_delay, error_message
+from awex_fast.meta import ParameterMeta
+from awex_fast.net import EventLoopThread, KVStoreClient, auth_headers, backoff_delay, error_message
+from awex_fast.sync import (
+    JoinError,
+    World,
+    merge_per_engine,
+    publish_side,
+    read_report,
+    reset_group_keys,
+    run_step,
+    wait_side,
+)
 from python_engines.api import (
     FinetuneSpec,
     InferenceEngine,
@@ -85,13 +95,9 @@ class GenerationRefused(ServerError):
     """The server refuses generation because its weights are invalid (a failed update)."""
 
 
-class WeightSyncJoinError(RuntimeError):
-    """A controller-less awex join failed; ``step`` names the step that did (module docstring)."""
-
-    def __init__(self, message: str, *, step: str) -> None:
-        """Keep the failed step next to the message."""
-        super().__init__(message)
-        self.step = step
+class WeightSyncJoinError(JoinError):
+    """A controller-less awex join failed; ``step`` names the step that did (module docstring),
+    ``pair`` / ``kv_url`` the pair and its KV store (an ``awex_fast.sync.JoinError``)."""
 
 
 class RemoteInferenceEngine(InferenceEngine):
@@ -375,66 +381,48 @@ class RemoteInferenceEngine(InferenceEngine):
             self._rejoin = self._joined is not None
             raise
 
-    def _join_step(self, step: str, where: str, fn: Callable[[], Any]) -> Any:
-        """Run one step of a join; any failure becomes a `WeightSyncJoinError` naming ``step``."""
-        try:
-            return fn()
-        except WeightSyncJoinError:
-            raise
-        except Exception as exc:
-            raise WeightSyncJoinError(f"awex join {where}: step {step!r} failed: {type(exc).__name__}: {exc}",
-                                      step=step) from exc
+    def _join_step(self, step: str, meta: WeightUpdateMeta, fn: Callable[[], Any]) -> Any:
+        """One step of a join (`awex_fast.sync.run_step`): any failure becomes a
+        `WeightSyncJoinError` naming the step, the pair and the KV store."""
+        return run_step(step, fn, pair=meta.pair_name, kv_url=meta.kv_store_url, error=WeightSyncJoinError)
+
+    def _engine_metas(self, timeout: float) -> tuple[list[int], list[list[ParameterMeta]]]:
+        """(engine sizes, merged side-local metas per engine): every TP rank's report, validated."""
+        answers = self._all("/awex/report_weight_meta", {}, timeout, every_rank=True)
+        sizes = [self.tp_sizes[url] for url in self.addresses]
+        labels = [f"{url} TP rank {r}" for url in self.addresses for r in range(self.tp_sizes[url])]
+        metas = [read_report(a["result"], what=f"{label}: report_weight_meta")
+                 for label, a in zip(labels, answers, strict=True)]
+        return sizes, merge_per_engine(metas, sizes)
 
     def _join_weight_sync(self, meta: WeightUpdateMeta, timeout: float) -> None:
-        """The controller-less join of every TP rank of every server (module docstring)."""
-        from awex_fast.meta import merge_metas, metas_from_json
-        from awex_fast.net import KVStoreClient
-        from awex_fast.sync.adapters import (
-            INFER_META_KEY,
-            MASTER_PORT_KEY,
-            TRAINING_META_KEY,
-            decode_side_metas,
-            encode_side_metas,
-        )
-
+        """The controller-less join of every TP rank of every server (module docstring), by the
+        steps of `awex_fast.sync.join`."""
         pair, kv_url = meta.pair_name, meta.kv_store_url
-        where = f"of pair {pair!r} at {kv_url}"
         if not kv_url:
             raise WeightSyncJoinError("WeightUpdateMeta.kv_store_url is required for an awex update when "
                                       "no controller formed the weight-sync group (see "
-                                      "WeightUpdateMeta.from_awex)", step="kv_store_url")
-        self._join_step("teardown", where, lambda: self._all("/awex/teardown", {}, 60.0, every_rank=True))
-        answers = self._join_step("report_weight_meta", where, lambda: self._all(
-            "/awex/report_weight_meta", {}, timeout, every_rank=True))
-        sizes = [self.tp_sizes[url] for url in self.addresses]
-        groups, start = [], 0
-        for size in sizes:
-            blobs = [a["result"]["metas"] for a in answers[start : start + size]]
-            groups.append(merge_metas([metas_from_json(base64.b64decode(b, validate=True)) for b in blobs]))
-            start += size
+                                      "WeightUpdateMeta.from_awex)", step="kv_store_url", pair=pair)
+        self._join_step("teardown", meta, lambda: self._all("/awex/teardown", {}, 60.0, every_rank=True))
+        sizes, groups = self._join_step("report_weight_meta", meta, lambda: self._engine_metas(timeout))
         key = meta.admin_api_key if meta.admin_api_key is not None else self.config.admin_api_key
         kv = KVStoreClient(kv_url, key or "")
         try:
             def publish() -> None:
-                kv.delete(pair, MASTER_PORT_KEY)
-                kv.put(pair, INFER_META_KEY, encode_side_metas("inference", groups, sizes))
+                reset_group_keys(kv, pair)
+                publish_side(kv, pair, "inference", groups, sizes)
 
-            self._join_step("publish infer_params_meta", where, publish)
-            train_sizes = self._join_step("wait for training_params_meta", where, lambda: decode_side_metas(
-                kv.wait(pair, TRAINING_META_KEY, timeout), "training")[0])
+            self._join_step("publish infer_params_meta", meta, publish)
+            train_sizes = self._join_step("wait for training_params_meta", meta,
+                                          lambda: wait_side(kv, pair, "training", timeout)[0])
         finally:
             kv.close()
-        infer_world, train_world = sum(sizes), sum(train_sizes)
-        common = {"pair_name": pair, "master_addr": meta.nccl_master_address,
-                  "master_port": int(meta.nccl_master_port), "world_size": infer_world + train_world,
-                  "kv_store_url": kv_url, "infer_world_size": infer_world, "train_world_size": train_world,
-                  "num_engines": len(sizes)}
-        requests, base = [], 0
-        for url, size in zip(self.addresses, sizes, strict=True):
-            requests += [(f"{url}/tp/{r}/awex/init_weights_update_group",
-                          {**common, "transfer_rank": base + r}) for r in range(size)]
-            base += size
-        self._join_step("init_weight_update_group", where, lambda: self._post_each(requests, timeout))
+        world = World(tuple(sizes), sum(train_sizes))
+        addr, port = meta.nccl_master_address, int(meta.nccl_master_port)
+        requests = [(f"{url}/tp/{r}/awex/init_weights_update_group",
+                     world.init_args(pair, kv_url, addr, port, world.inference_rank(e, r)))
+                    for e, url in enumerate(self.addresses) for r in range(self.tp_sizes[url])]
+        self._join_step("init_weight_update_group", meta, lambda: self._post_each(requests, timeout))
 
     def set_version(self, version: int) -> None:
         """Set the version here and on every server (tokens generated next carry it)."""

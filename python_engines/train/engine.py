@@ -28,49 +28,16 @@ For weight sync, `named_local_parameters` exposes the live parameters under thei
 names: DTensors (FSDP2 dim-0 shards, ``_StridedShard`` x ``Shard`` under TP) whose
 ``to_local()`` is this rank's memory; a writer into it updates the model in place.
 
-Awex uploads (DESIGN.md, "Who drives an update"). `weight_sync_adapter` is this engine's
-``awex_fast.TrainingAdapter`` over `named_local_parameters` (training-job rank = global rank;
-gloo on CPU, nccl on CUDA). ``upload_weights(meta)`` with type ``"awex"`` (alias ``"nccl"``)
-runs its send half, ``execute_weight_update(version)``, on every training rank at once, while
-the inference side runs its receive half. The group it sends over is:
-
-- the one a controller formed, if the adapter already holds one (a `WeightSyncPair` or AReaL's
-  gateway called ``init_weight_update_group`` on it, e.g. through ``/awex/*`` routes served over
-  `weight_sync_adapter`): nothing is published or joined, the upload only sends;
-- otherwise the one the engine joins itself, with no controller, on the first awex upload (and
-  again when the pair fields of ``meta`` change, or after a failed update), by this rule: each
-  side publishes its own side's metadata and learns the other side's sizes from what the other
-  side published. Training rank ``t`` puts its metas JSON (base64) under the pair's KV key
-  ``training_params_meta_rank{t}``; once every rank did, training rank 0 merges them, publishes
-  ``training_params_meta`` (`awex_fast.sync.adapters.encode_side_metas`: one group, the job's world
-  size, and the adapter's ``bucket_bytes`` so that both sides plan alike) and deletes the
-  per-rank keys. Every rank then waits for ``infer_params_meta``, which the inference side
-  publishes (one group per engine, in engine order, with the engine sizes): ``num_engines`` is
-  the number of published engines, ``infer_world_size`` the sum of their sizes, and the training
-  world size is this job's. Transfer rank = ``infer_world_size + global rank``. Every rank then
-  calls ``init_weight_update_group`` with ``meta.pair_name``, ``meta.kv_store_url`` and
-  ``meta.nccl_master_address`` / ``nccl_master_port`` (0: inference transfer rank 0 binds a
-  port and publishes ``transfer_master_port``). The inference side mirrors the rule: it
-  publishes ``infer_params_meta`` (after deleting a stale ``transfer_master_port``), reads the
-  training world size from ``training_params_meta``, and joins concurrently. There is no
-  separate warm-up: the update right after the join is the first exchange.
-
-Failures are collective: after each step of a join and after each update, one all-reduce tells
-every training rank which ranks failed, so no rank waits in a collective its peers left. A
-failed join raises `WeightSyncNotWiredError` on every rank (naming the step and the failing
-ranks, chained to this rank's own error). A failed update re-raises a failing rank's own
-``TransferError`` (the other ranks raise a ``TransferError`` naming the failed ranks) and, for a
-group this engine joined, makes the next awex upload tear it down and join again; a group a
-controller formed is left to that controller to re-form. Without a controller a re-join needs
-the inference side to re-publish and re-join too, on a fresh ``nccl_master_port`` (with port 0,
-a stale ``transfer_master_port`` must be deleted before either side re-joins), and the KV
-namespace of a pair is expected to be fresh for each job (a leftover ``infer_params_meta``
-would be read as current).
+Awex uploads (DESIGN.md, "Who drives an update") live in `python_engines.train.weight_sync`:
+`weight_sync_adapter` is this engine's ``awex_fast.TrainingAdapter``; ``upload_weights(meta)``
+with type ``"awex"`` sends over the group a controller formed on it, or joins one itself with no
+controller (the steps of ``awex_fast.sync.join``), or, after `connect_engine`, sends into vLLM
+servers through awex_fast's vLLM backend. A failed join raises `WeightSyncNotWiredError` on
+every rank, naming the step, the pair, the KV store and the failing ranks.
 """
 
 from __future__ import annotations
 
-import base64
 import math
 import os
 from collections.abc import Callable
@@ -119,28 +86,12 @@ from python_engines.train.parallel import (
     clip_grad_norm_,
     mixed_precision_policy,
 )
+from python_engines.train.weight_sync import TRAINING_RANK_META_KEY, TrainWeightSync, WeightSyncNotWiredError
 
 if TYPE_CHECKING:
     from awex_fast.sync import TrainingAdapter
 
 __all__ = ["TRAINING_RANK_META_KEY", "FSDPTrainEngine", "WeightSyncNotWiredError"]
-
-#: KV key (per pair) where training rank ``rank`` leaves its metas for rank 0 to merge during a
-#: controller-less join (module docstring); deleted once ``training_params_meta`` is published.
-TRAINING_RANK_META_KEY = "training_params_meta_rank{rank}"
-
-
-class WeightSyncNotWiredError(RuntimeError):
-    """An awex upload could not wire this engine into a weight-sync group: no KV store URL, or a
-    step of the controller-less join (publishing, merging, waiting for the inference side's
-    metadata, joining the transfer group) failed on some training rank. Raised on every rank;
-    ``step`` names the step, ``failed_ranks`` the training ranks where it failed, and
-    ``__cause__`` is this rank's own error when it was one of them."""
-
-    def __init__(self, message: str, *, step: str, failed_ranks: list[int]) -> None:
-        super().__init__(message)
-        self.step, self.failed_ranks = step, list(failed_ranks)
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -160,14 +111,7 @@ class FSDPTrainEngine(TrainEngine):
         self.ft_spec: FinetuneSpec | None = None
         self._tied_aliases: dict[str, str] = {}
         self._architectures: list[str] = []
-        self._weight_sync: TrainingAdapter | None = None
-        self._joined: tuple[str, str, str, int] | None = None  # pair fields of a group joined here
-        self._rejoin = False  # the last update over a group joined here failed
-        #: The adapter's stats of the last successful awex upload on this rank (bytes, seconds).
-        self.last_weight_update: dict[str, Any] | None = None
-        self._vllm_urls: list[str] = []  # vLLM servers awex uploads go to (connect_engine)
-        self._vllm_timeout_s = 300.0  # connect_engine(timeout_s=...)
-        self._vllm: Any = None  # awex_fast.vllm's trainer engine, built at the first upload
+        self._weight_sync = TrainWeightSync(self)  # awex uploads (python_engines.train.weight_sync)
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -274,12 +218,7 @@ class FSDPTrainEngine(TrainEngine):
     def destroy(self) -> None:
         """Leave the weight-sync group (if any); drop model and optimizer; destroy the process
         group if `initialize` created it."""
-        if self._weight_sync is not None:
-            self._weight_sync.teardown_weight_update_group()
-            self._weight_sync, self._joined = None, None
-        if self._vllm is not None:
-            self._vllm.shutdown()
-            self._vllm = None
+        self._weight_sync.close()
         self._model = None
         self.optimizer = None
         self.lr_scheduler = None
@@ -568,148 +507,14 @@ class FSDPTrainEngine(TrainEngine):
         side-local rank = global rank, parallelism from the mesh, the optimizer's memory tag,
         gloo on CPU and nccl on CUDA, admin key from ``$AWEX_FAST_ADMIN_KEY`` until an awex
         `upload_weights` brings one in its `WeightUpdateMeta`. Serve it (``/awex/*`` routes) to a
-        `WeightSyncPair`, or let `upload_weights` join a group itself (module docstring)."""
-        if self._weight_sync is None:
-            from awex_fast.sync import TrainingAdapter
+        `WeightSyncPair`, or let `upload_weights` join a group itself
+        (`python_engines.train.weight_sync`)."""
+        return self._weight_sync.adapter()
 
-            self.model  # noqa: B018 (raises before initialize)
-            world = dist.get_world_size()
-            self._weight_sync = TrainingAdapter(
-                self.named_local_parameters,
-                rank=dist.get_rank(),
-                world_size=world,
-                parallelism={"world_size": world, "tp_size": self.config.tp_size, "pp_size": 1,
-                             "dp_size": self.data_parallel_world_size, "ep_size": 1},
-                optimizer=self.optimizer,
-                backend="nccl" if self.device.type == "cuda" else "gloo",
-            )
-        return self._weight_sync
-
-    def _ranks_where(self, flag: bool) -> list[int]:
-        """One all-reduce over the engine's ranks: the training ranks whose ``flag`` is true."""
-        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self.device)
-        flags[dist.get_rank()] = int(flag)
-        dist.all_reduce(flags)
-        return [r for r, f in enumerate(flags.tolist()) if f]
-
-    def _join_step(self, step: str, where: str, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on this rank, then agree with every rank; `WeightSyncNotWiredError` on every
-        rank if any failed."""
-        error: Exception | None = None
-        out = None
-        try:
-            out = fn()
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before anyone raises
-            error = exc
-        failed = self._ranks_where(error is not None)
-        if failed:
-            own = f": {type(error).__name__}: {error}" if error is not None else ""
-            raise WeightSyncNotWiredError(
-                f"training rank {dist.get_rank()}: awex upload {where}: step {step!r} failed on training "
-                f"ranks {failed}{own}",
-                step=step,
-                failed_ranks=failed,
-            ) from error
-        return out
-
-    def _join_weight_sync(self, adapter: TrainingAdapter, meta: WeightUpdateMeta) -> dict[str, Any]:
-        """The controller-less join (module docstring); collective. Returns the adapter's init
-        result."""
-        from awex_fast.meta import merge_metas, metas_from_json, metas_to_json
-        from awex_fast.net import KVStoreClient
-        from awex_fast.sync import INFER_META_KEY, TRAINING_META_KEY, decode_side_metas, encode_side_metas
-
-        pair, url = meta.pair_name, meta.kv_store_url
-        rank, world = dist.get_rank(), dist.get_world_size()
-        where = f"to pair {pair!r} at {url}"
-        if not url:
-            raise WeightSyncNotWiredError(
-                f"training rank {rank}: WeightUpdateMeta.kv_store_url is required for an awex upload when "
-                "no controller formed the weight-sync group (see WeightUpdateMeta.from_awex)",
-                step="kv_store_url",
-                failed_ranks=list(range(world)),
-            )
-        clients: list[KVStoreClient] = []
-
-        def publish() -> None:
-            clients.append(KVStoreClient(url, adapter.admin_api_key or ""))
-            blob = base64.b64encode(metas_to_json(adapter.get_weight_metadata())).decode("ascii")
-            clients[0].put(pair, TRAINING_RANK_META_KEY.format(rank=rank), blob)
-
-        def merge() -> None:
-            if rank != 0:
-                return
-            kv = clients[0]
-            keys = [TRAINING_RANK_META_KEY.format(rank=r) for r in range(world)]
-            groups = [metas_from_json(base64.b64decode(kv.get(pair, k), validate=True)) for k in keys]
-            value = encode_side_metas("training", [merge_metas(groups)], [world],
-                                      bucket_bytes=adapter.bucket_bytes)
-            kv.put(pair, TRAINING_META_KEY, value)
-            for k in keys:
-                kv.delete(pair, k)
-
-        def inference_sizes() -> list[int]:
-            value = clients[0].wait(pair, INFER_META_KEY, adapter.timeout_s)
-            return decode_side_metas(value, "inference")[0]
-
-        try:
-            self._join_step("publish training metadata", where, publish)
-            self._join_step("merge and publish training_params_meta", where, merge)
-            sizes = self._join_step("wait for infer_params_meta", where, inference_sizes)
-        finally:
-            for kv in clients:
-                kv.close()
-        infer_world = sum(sizes)
-        return self._join_step("init_weight_update_group", where, lambda: adapter.init_weight_update_group(
-            pair_name=pair, master_addr=meta.nccl_master_address, master_port=int(meta.nccl_master_port),
-            transfer_rank=infer_world + rank, world_size=infer_world + world, kv_store_url=url,
-            infer_world_size=infer_world, train_world_size=world, num_engines=len(sizes)))
-
-    def _upload_awex(self, meta: WeightUpdateMeta) -> None:
-        from awex_fast.transport import TransferError
-
-        adapter = self.weight_sync_adapter()
-        if meta.admin_api_key is not None:
-            adapter.admin_api_key = meta.admin_api_key
-        fields = (meta.pair_name, str(meta.kv_store_url), meta.nccl_master_address,
-                  int(meta.nccl_master_port))
-        by_controller = adapter.transfer_rank is not None and self._joined is None
-        join = not by_controller and (self._joined != fields or self._rejoin)
-        joining = self._ranks_where(join)
-        if 0 < len(joining) < dist.get_world_size():
-            raise WeightSyncNotWiredError(
-                f"training rank {dist.get_rank()}: training ranks {joining} would join a weight-sync group "
-                "while the others send over the one they hold (a controller formed it on some ranks only?)",
-                step="agree on the group",
-                failed_ranks=joining,
-            )
-        if join:
-            self._joined = None
-            adapter.teardown_weight_update_group()
-            try:
-                self._join_weight_sync(adapter, meta)
-            except WeightSyncNotWiredError:
-                adapter.teardown_weight_update_group()  # ranks whose init succeeded leave too
-                raise
-            self._joined, self._rejoin = fields, False
-        version = meta.version if meta.version is not None else self._version
-        error: Exception | None = None
-        stats = None
-        try:
-            stats = adapter.execute_weight_update(version)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before anyone raises
-            error = exc
-        failed = self._ranks_where(error is not None)
-        if failed:
-            self._rejoin = self._joined is not None
-            if error is not None:
-                raise error
-            raise TransferError(
-                f"training rank {dist.get_rank()}: the awex update to version {version} failed on training "
-                f"ranks {failed}; the group must be re-formed before the next update",
-                version=version,
-            )
-        self.last_weight_update = stats
+    @property
+    def last_weight_update(self) -> dict[str, Any] | None:
+        """The stats of the last successful awex upload on this rank (bytes, seconds), or None."""
+        return self._weight_sync.last_update
 
     def connect_engine(self, engine: Any, *, timeout_s: float = 300.0) -> None:
         """Send awex uploads to vLLM servers through awex_fast's vLLM backend: ``engine`` is an
@@ -719,36 +524,7 @@ class FSDPTrainEngine(TrainEngine):
         every wait of a join or a round (a worker waiting for bytes that never come). Calling it
         again with other servers (say, without one that died) leaves the old group; the next
         upload joins the new one."""
-        urls = [engine] if isinstance(engine, str) else getattr(engine, "addresses", engine)
-        urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
-        if not urls:
-            raise ValueError("connect_engine: no vLLM server addresses")
-        if self._vllm is not None and (urls != self._vllm_urls or timeout_s != self._vllm_timeout_s):
-            self._vllm.shutdown()
-            self._vllm = None
-        self._vllm_urls, self._vllm_timeout_s = urls, float(timeout_s)
-
-    def _upload_vllm(self, meta: WeightUpdateMeta) -> None:
-        """The awex upload into the connected vLLM servers (`connect_engine`): one round of
-        ``awex_fast.vllm`` to ``meta.version`` (default `get_version`); every server reports that
-        version once it landed. Raises ``awex_fast.vllm.SendError`` on every rank if it failed."""
-        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-
-        from awex_fast.vllm import AwexFastTrainerInitInfo, ShardedSource
-
-        if self._vllm is None:
-            info = AwexFastTrainerInitInfo(
-                rank=dist.get_rank(), world_size=dist.get_world_size(),
-                transport="nccl" if self._pick_device().type == "cuda" else "gloo",
-                kv_store_url=meta.kv_store_url, admin_api_key=meta.admin_api_key,
-                pair=meta.pair_name if meta.kv_store_url else None, timeout_s=self._vllm_timeout_s)
-            # only rank 0 talks to vLLM; the others hold no client
-            clients = [HTTPVLLMWeightSyncClient(u) for u in self._vllm_urls] if dist.get_rank() == 0 else None
-            self._vllm = WeightTransferTrainerFactory.trainer_init(
-                info, client=clients, source=ShardedSource(self.named_local_parameters))
-        version = meta.version if meta.version is not None else self._version
-        self._vllm.send_weights(version=version)
-        self.last_weight_update = dict(self._vllm.last_round)
+        self._weight_sync.connect_engine(engine, timeout_s=timeout_s)
 
     def upload_weights(self, meta: WeightUpdateMeta) -> None:
         """Send the current weights to inference; collective.
@@ -757,7 +533,7 @@ class FSDPTrainEngine(TrainEngine):
         write the marker for ``meta.version`` (default: `get_version`) last and atomically.
         ``"awex"`` (or ``"nccl"``): the send half of an in-memory update of ``meta.version``
         (default: `get_version`) through `weight_sync_adapter`; the first call joins the group
-        unless a controller formed it (module docstring, "Awex uploads"). Raises
+        unless a controller formed it (`python_engines.train.weight_sync`). Raises
         `WeightSyncNotWiredError` when the join fails, ``TransferError`` when the update does.
         """
         if meta.type == "disk":
@@ -776,10 +552,7 @@ class FSDPTrainEngine(TrainEngine):
             dist.barrier()
             return
         if meta.type in ("awex", "nccl"):
-            if self._vllm_urls:
-                self._upload_vllm(meta)
-            else:
-                self._upload_awex(meta)
+            self._weight_sync.upload(meta)
             return
         raise ValueError(f"WeightUpdateMeta.type must be 'disk', 'awex' or 'nccl', got {meta.type!r}")
 

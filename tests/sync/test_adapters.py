@@ -16,14 +16,15 @@ import torch.nn as nn
 
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, ShardRule
 from awex_fast.net import BackgroundServer, KVStoreServer
-from awex_fast.sync import PairError, WeightSyncPair
-from awex_fast.sync.adapters import (
+from awex_fast.sync import (
     INFER_META_KEY,
     AwexInferenceAdapter,
     AwexTrainingAdapter,
     InferenceAdapter,
+    PairError,
     TrainingAdapter,
     WeightsNotReadyError,
+    WeightSyncPair,
     assemble_world,
     check_own_pieces,
     decode_side_metas,

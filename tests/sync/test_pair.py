@@ -30,13 +30,17 @@ from _dist import WorldError, run_world
 
 from awex_fast.meta import ParameterMeta, ShardMeta, chunk_bounds
 from awex_fast.net import BackgroundServer, KVStoreClient, KVStoreServer
-from awex_fast.sync import KVWorker, WeightSyncPair, gateway_app, serve_kv_worker, worker_app
-from awex_fast.sync.adapters import (
+from awex_fast.sync import (
     INFER_META_KEY,
     TRAINING_META_KEY,
     InferenceAdapter,
+    KVWorker,
     TrainingAdapter,
+    WeightSyncPair,
     digest_key,
+    gateway_app,
+    serve_kv_worker,
+    worker_app,
 )
 
 KEY = "pair-test-key"

@@ -107,7 +107,7 @@ def _inference(engine_id: int, rank: int, kv_url: str, work: str) -> dict:
     from awex_fast.layouts import FusedLayout
     from awex_fast.meta import merge_metas
     from awex_fast.net import KVStoreClient
-    from awex_fast.sync.adapters import (
+    from awex_fast.sync import (
         INFER_META_KEY,
         MASTER_PORT_KEY,
         TRAINING_META_KEY,
