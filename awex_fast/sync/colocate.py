@@ -222,7 +222,7 @@ class ColocateSender:
     """Training rank ``rank`` of a colocated pair: publishes handles, waits for acks.
 
     ``readers`` is the number of inference ranks whose plan reads from this rank (each acks once
-    per version). ``kv`` is a `awex_fast.net.kvstore.KVStoreClient`.
+    per version). ``kv`` is a `awex_fast.net.KVStoreClient`.
     """
 
     def __init__(self, kv: Any, pair_name: str, rank: int, readers: int, timeout_s: float) -> None:
@@ -310,7 +310,7 @@ def plan_boxes(rank_plan: RankPlan) -> dict[int, list[_Box]]:
 class ColocateReceiver:
     """Inference rank ``rank`` of a colocated pair: maps the training ranks' handles, copies its
     boxes in one native batched copy per device, acknowledges. ``boxes`` comes from
-    `plan_boxes`; ``kv`` is a `awex_fast.net.kvstore.KVStoreClient`."""
+    `plan_boxes`; ``kv`` is a `awex_fast.net.KVStoreClient`."""
 
     def __init__(self, kv: Any, pair_name: str, rank: int, boxes: Mapping[int, Sequence[_Box]],
                  timeout_s: float) -> None:

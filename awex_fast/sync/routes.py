@@ -1,7 +1,7 @@
 """The ``/awex/*`` HTTP routes of a weight-sync worker, and the JSON dispatch behind them.
 
 Why one dispatch table: a worker's adapter is driven over HTTP (`worker_routes`), over the KV
-store (`awex_fast.sync.pair.serve_kv_worker`) or in process (`awex_fast.sync.pair.WeightSyncPair` with
+store (`awex_fast.sync.workers.serve_kv_worker`) or in process (`awex_fast.sync.pair.WeightSyncPair` with
 adapter objects). All three go through `dispatch`, so arguments are checked, results shaped
 and errors reported the same way, and everything that crosses a process is JSON (metadata as
 base64 metas JSON, never pickle).
@@ -33,7 +33,6 @@ keeps answering (reports, health) while an update is in flight.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import os
 from collections.abc import Callable, Mapping
@@ -41,7 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
-from awex_fast.meta import metas_to_json
+from awex_fast.meta import metas_to_b64
 from awex_fast.net import ADMIN_KEY_ENV, check_bearer, json_error, json_error_middleware, read_json_body
 
 MAX_BODY_BYTES = 16 << 20
@@ -82,7 +81,7 @@ def _tags(args: Mapping[str, Any], route: str) -> list[str] | None:
 
 
 def _report_meta(adapter: Any, args: Mapping[str, Any]) -> dict:
-    return {"metas": base64.b64encode(metas_to_json(adapter.get_weight_metadata())).decode("ascii")}
+    return {"metas": metas_to_b64(adapter.get_weight_metadata())}
 
 
 def _init(adapter: Any, args: Mapping[str, Any]) -> Any:

@@ -19,7 +19,6 @@ forwards its rank's call to a `Gang`:
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from awex_fast.meta import ParameterMeta, metas_from_json
+from awex_fast.meta import ParameterMeta, metas_from_b64
 
 if TYPE_CHECKING:
     from python_engines.inference.loop import EngineLoop
@@ -138,7 +137,7 @@ class RankProxy:
 
     def get_weight_metadata(self) -> list[ParameterMeta]:
         """The rank's pieces, from its own adapter."""
-        return metas_from_json(base64.b64decode(self.gang.single(self.rank, "get_weight_metadata")))
+        return metas_from_b64(self.gang.single(self.rank, "get_weight_metadata"), what=f"TP rank {self.rank}")
 
     def get_local_shard_parameters(self, required_names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Not available here: the tensors live in TP rank ``rank``'s own process."""

@@ -25,7 +25,6 @@ reported as rank 3's.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import struct
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from awex_fast.meta import metas_to_json
+from awex_fast.meta import metas_to_b64
 from python_engines.inference.kv_cache import KVCache
 from python_engines.inference.model import ModelArgs, Transformer
 from python_engines.inference.tp import TPContext
@@ -214,7 +213,7 @@ class Worker:
             return None
         method, kwargs = call["method"], call.get("kwargs") or {}
         if method == "get_weight_metadata":
-            return base64.b64encode(metas_to_json(self.adapter.get_weight_metadata())).decode("ascii")
+            return metas_to_b64(self.adapter.get_weight_metadata())
         if method not in _ADAPTER_METHODS:
             raise ValueError(f"adapter method {method!r} is not callable over the op channel")
         return getattr(self.adapter, method)(**kwargs)
