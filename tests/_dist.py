@@ -90,6 +90,33 @@ def run_world(
     source = inspect.getsourcefile(fn)
     if source is None or "<locals>" in fn.__qualname__:
         raise ValueError(f"{fn!r} must be a module-level function defined in a file")
+    worker_env = _worker_env(env)
+    with tempfile.TemporaryDirectory(prefix="awex_world_") as tmp:
+        tmpdir = Path(tmp)
+        procs: list[subprocess.Popen] = []
+        logs = [tmpdir / f"log{rank}.txt" for rank in range(world_size)]
+        try:
+            for rank in range(world_size):
+                spec = {
+                    "file": str(Path(source).resolve()), "qualname": fn.__qualname__, "args": list(args),
+                    "rank": rank, "world_size": world_size, "backend": backend,
+                    "port_file": str(tmpdir / "port"), "timeout": timeout,
+                    "result": str(tmpdir / f"result{rank}.json"), "error": str(tmpdir / f"error{rank}.txt"),
+                }  # fmt: skip
+                spec_path = tmpdir / f"spec{rank}.json"
+                spec_path.write_text(json.dumps(spec))
+                with logs[rank].open("wb") as out:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, str(Path(__file__).resolve()), str(spec_path)],
+                        stdout=out, stderr=subprocess.STDOUT, env=worker_env, start_new_session=True,
+                    ))  # fmt: skip
+            _wait_world(procs, logs, tmpdir, fn.__qualname__, timeout)
+        finally:
+            _kill(procs)
+        return [json.loads((tmpdir / f"result{r}.json").read_text()) for r in range(world_size)]
+
+
+def _worker_env(env: Mapping[str, str] | None) -> dict[str, str]:
     worker_env = dict(os.environ)
     worker_env.setdefault("OMP_NUM_THREADS", "1")
     worker_env["PYTHONUNBUFFERED"] = "1"
@@ -98,68 +125,41 @@ def run_world(
         worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if env:
         worker_env.update(env)
-    with tempfile.TemporaryDirectory(prefix="awex_world_") as tmp:
-        tmpdir = Path(tmp)
-        procs: list[subprocess.Popen] = []
-        logs: list[Path] = []
-        try:
-            for rank in range(world_size):
-                spec = {
-                    "file": str(Path(source).resolve()),
-                    "qualname": fn.__qualname__,
-                    "args": list(args),
-                    "rank": rank,
-                    "world_size": world_size,
-                    "backend": backend,
-                    "port_file": str(tmpdir / "port"),
-                    "timeout": timeout,
-                    "result": str(tmpdir / f"result{rank}.json"),
-                    "error": str(tmpdir / f"error{rank}.txt"),
-                }
-                spec_path = tmpdir / f"spec{rank}.json"
-                spec_path.write_text(json.dumps(spec))
-                log = tmpdir / f"log{rank}.txt"
-                logs.append(log)
-                with log.open("wb") as out:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, str(Path(__file__).resolve()), str(spec_path)],
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            env=worker_env,
-                            start_new_session=True,
-                        )
-                    )
-            deadline = time.monotonic() + timeout
-            while True:
-                codes = [p.poll() for p in procs]
-                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    _kill(procs)
-                    rank = failed[0]
-                    error = _tail(tmpdir / f"error{rank}.txt") or "(no traceback written)"
-                    raise WorldError(
-                        f"rank {rank} of {world_size} failed (exit code {codes[rank]}) in "
-                        f"{fn.__qualname__}:\n{error}\n--- rank {rank} output ---\n{_tail(logs[rank])}"
-                    )
-                if all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
-                    running = [r for r, c in enumerate(codes) if c is None]
-                    for r in running:  # each worker dumps every thread's stack into its log
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(procs[r].pid, signal.SIGUSR1)
-                    time.sleep(1.0)
-                    _kill(procs)
-                    tails = "\n".join(f"--- rank {r} output ---\n{_tail(logs[r])}" for r in running)
-                    raise WorldTimeout(
-                        f"{fn.__qualname__} on {world_size} ranks exceeded {timeout:.0f} s; "
-                        f"ranks still running: {running}\n{tails}"
-                    )
-                time.sleep(0.05)
-        finally:
+    return worker_env
+
+
+def _wait_world(procs: list[subprocess.Popen], logs: list[Path], tmpdir: Path, name: str,
+                timeout: float) -> None:
+    """Wait for every worker to exit 0; raise `WorldError` for the first failed rank, or
+    `WorldTimeout` (with every running worker's stacks) past ``timeout``."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
             _kill(procs)
-        return [json.loads((tmpdir / f"result{r}.json").read_text()) for r in range(world_size)]
+            rank = failed[0]
+            error = _tail(tmpdir / f"error{rank}.txt") or "(no traceback written)"
+            raise WorldError(
+                f"rank {rank} of {world_size} failed (exit code {codes[rank]}) in "
+                f"{name}:\n{error}\n--- rank {rank} output ---\n{_tail(logs[rank])}"
+            )
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            running = [r for r, c in enumerate(codes) if c is None]
+            for r in running:  # each worker dumps every thread's stack into its log
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            _kill(procs)
+            tails = "\n".join(f"--- rank {r} output ---\n{_tail(logs[r])}" for r in running)
+            raise WorldTimeout(
+                f"{name} on {world_size} ranks exceeded {timeout:.0f} s; "
+                f"ranks still running: {running}\n{tails}"
+            )
+        time.sleep(0.05)
 
 
 def _load_function(file: str, qualname: str) -> Callable[..., Any]:
