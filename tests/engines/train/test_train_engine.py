@@ -277,9 +277,6 @@ def _world_dp4(rank, world_size, model_dir, out):
 def _world_dp2tp2(rank, world_size, model_dir, out):
     import torch.distributed as dist
 
-    from python_engines.api import SaveLoadMeta, WeightUpdateMeta
-    from python_engines.train import WeightSyncNotWiredError
-
     # A 24-token budget splits each dp rank's 4 rows into several micro-batches, longest first,
     # so forward has to restore the original order.
     engine = make_engine(model_dir, tp_size=2, max_tokens=24, save_max_shard_bytes=32 << 10)
@@ -314,6 +311,18 @@ def _world_dp2tp2(rank, world_size, model_dir, out):
     res["nonfinite_grads_cleared"] = all(p.grad is None for p in engine.model.parameters())
 
     # 4. save -> fresh engine -> load, bit-exact, optimizer and schedule included.
+    res.update(_save_load_round_trip(engine, model_dir, out, fwd_batch, writer, dp, dp_size))
+
+    # 5.-7. uploads, live local views, a missing checkpoint.
+    res.update(_uploads_views_and_missing_load(engine, out))
+    engine.destroy()
+    return res
+
+
+def _save_load_round_trip(engine, model_dir, out, fwd_batch, writer, dp, dp_size) -> dict:
+    from python_engines.api import SaveLoadMeta
+
+    res: dict = {}
     ckpt = f"{out}/ckpt"
     engine.save(SaveLoadMeta(path=ckpt, with_optim=True))
     saved_logits = engine.forward(fwd_batch)
@@ -340,7 +349,14 @@ def _world_dp2tp2(rank, world_size, model_dir, out):
     a, b = local_state(engine), local_state(fresh)
     res["next_step_bit_exact"] = s1 == s2 and all(torch.equal(a[n], b[n]) for n in a)
     fresh.destroy()
+    return res
 
+
+def _uploads_views_and_missing_load(engine, out) -> dict:
+    from python_engines.api import SaveLoadMeta, WeightUpdateMeta
+    from python_engines.train import WeightSyncNotWiredError
+
+    res: dict = {}
     # 5. disk upload twice (version from meta, then from the engine), then the not-yet-wired awex path.
     upload = f"{out}/upload"
     engine.upload_weights(WeightUpdateMeta.from_disk(upload, version=5))
@@ -364,7 +380,6 @@ def _world_dp2tp2(rank, world_size, model_dir, out):
         res["load_missing_raises"] = ""
     except ValueError as exc:
         res["load_missing_raises"] = str(exc)
-    engine.destroy()
     return res
 
 
