@@ -14,8 +14,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from awex_fast.net import free_port
-
 
 def _post(url: str, route: str, body: dict, timeout: float) -> Any:
     import requests
@@ -60,7 +58,7 @@ def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dic
     import torch
 
     from awex_fast.bench.worker import _raw
-    from awex_fast.transport import init_transfer_group
+    from awex_fast.transport import init_transfer_group_on_free_port
 
     tp, world = spec["tp"], spec["tp"] + spec["trainers"]
     if role == "send":
@@ -76,14 +74,13 @@ def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dic
             if str(transfer_rank) in pairs:
                 recvs.append(SimpleNamespace(peer=t, payload=int(pairs[str(transfer_rank)])))
         rp = SimpleNamespace(sends=[], recvs=recvs)
-    if transfer_rank == 0:
-        port = free_port()
-        parent.store.set("raw/port", str(port))
-    else:
+    def await_port() -> int:
         parent.store.wait(["raw/port"])
-        port = int(parent.store.get("raw/port"))
-    group = init_transfer_group(spec.get("transport", "gloo"), transfer_rank, world, "127.0.0.1", port,
-                                spec["timeout"], group_name="awex_fast_raw")
+        return int(parent.store.get("raw/port"))
+
+    group, _ = init_transfer_group_on_free_port(
+        spec.get("transport", "gloo"), transfer_rank, world, "127.0.0.1",
+        lambda port: parent.store.set("raw/port", str(port)), await_port, spec["timeout"], "awex_fast_raw")
     run, nbytes, refresh = _raw(group, rp, torch.device("cpu"))
     return run, refresh, nbytes
 

@@ -27,7 +27,7 @@ from awex_fast.plan import build_plan
 from awex_fast.transfer import Executor
 from awex_fast.transfer import boxcopy as afc
 from awex_fast.transfer.wire import torch_dtype, wire_buckets
-from awex_fast.transport import init_transfer_group
+from awex_fast.transport import init_transfer_group_on_free_port
 
 
 def train_rule(shape: tuple[int, ...], tp_dim: int | None, fsdp: int, tp: int, base: int) -> ShardRule:
@@ -254,16 +254,15 @@ def _local_tensors(spec: dict, train: list, infer: list, rank: int,
 
 def _join_group(parent: dist.Store, spec: dict, rank: int) -> Any:
     """The transfer group: transfer rank 0 binds a free port for its store and publishes it."""
-    world, timeout = spec["world"], spec["timeout"]
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-        parent.set("group_port", str(store.port))
-        return init_transfer_group(spec["backend"], rank, world, "127.0.0.1", store.port, timeout,
-                                   store=store)
-    parent.wait(["group_port"])
-    port = int(parent.get("group_port"))
-    return init_transfer_group(spec["backend"], rank, world, "127.0.0.1", port, timeout)
+
+    def await_port() -> int:
+        parent.wait(["group_port"])
+        return int(parent.get("group_port"))
+
+    group, _ = init_transfer_group_on_free_port(
+        spec["backend"], rank, spec["world"], "127.0.0.1", lambda port: parent.set("group_port", str(port)),
+        await_port, spec["timeout"])
+    return group
 
 
 def _runners(spec: dict, parent: dist.Store, rank: int, ex: Executor, rp: Any, group: Any, train: list,

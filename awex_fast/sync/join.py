@@ -352,25 +352,22 @@ def form_transfer_group(kv: KVStoreClient, pair: str, backend: str, master_addr:
     """Join the transfer group of ``pair``: (group, the TCPStore this rank hosts or None). With
     ``master_port=0`` transfer rank 0 binds a port the OS chooses and publishes it under
     ``transfer_master_port``; the other ranks wait for it. The caller keeps the store alive."""
-    from awex_fast.transport import init_transfer_group
+    from awex_fast.transport import init_transfer_group, init_transfer_group_on_free_port
 
-    store, port = None, int(master_port)
-    if port == 0:
-        if transfer_rank == 0:
-            import torch.distributed as dist
+    if int(master_port) != 0:
+        group = init_transfer_group(backend, transfer_rank, world_size, master_addr, int(master_port),
+                                    timeout=timeout_s, group_name=f"awex_{pair}")
+        return group, None
 
-            from awex_fast.transport.base import timedelta
+    def publish(port: int) -> None:
+        kv.put(pair, MASTER_PORT_KEY, {"addr": master_addr, "port": port})
 
-            store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(timeout_s))
-            port = store.port
-            kv.put(pair, MASTER_PORT_KEY, {"addr": master_addr, "port": port})
-        else:
-            port = int(wait_value(kv, pair, MASTER_PORT_KEY, timeout_s, step="form the transfer group",
-                                  who="transfer rank 0", rank=0)["port"])
-    group = init_transfer_group(backend, transfer_rank, world_size, master_addr, port, timeout=timeout_s,
-                                group_name=f"awex_{pair}", store=store)
-    return group, store
+    def await_port() -> int:
+        return int(wait_value(kv, pair, MASTER_PORT_KEY, timeout_s, step="form the transfer group",
+                              who="transfer rank 0", rank=0)["port"])
+
+    return init_transfer_group_on_free_port(backend, transfer_rank, world_size, master_addr, publish,
+                                            await_port, timeout_s, f"awex_{pair}")
 
 
 __all__ = ["JoinError", "JoinTimeoutError", "World", "assemble_world", "check_digests", "check_own_pieces",

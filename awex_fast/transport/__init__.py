@@ -6,6 +6,8 @@ an executor moves messages over it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from awex_fast.transport.base import (
     SHARED_SLOTS,
     STAGED,
@@ -54,6 +56,38 @@ def init_transfer_group(
     return TorchTransferGroup(backend, rank, world_size, master_addr, master_port, timeout, group_name, store)
 
 
+def init_transfer_group_on_free_port(
+    backend: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    publish_port: Callable[[int], None],
+    await_port: Callable[[], int],
+    timeout: float = 120.0,
+    group_name: str = "awex_fast",
+) -> tuple[TransferGroup, object | None]:
+    """`init_transfer_group` where transfer rank 0 binds the rendezvous store on a port the OS
+    picks, so no two groups race for a port: rank 0 hands the port to ``publish_port(port)`` and
+    every other rank learns it from ``await_port()`` (a KV store, a parent's store, ...).
+
+    Returns the group and the TCPStore rank 0 hosts (None elsewhere); the group keeps it alive.
+    """
+    store = None
+    if rank == 0:
+        import torch.distributed as dist
+
+        from awex_fast.transport.base import timedelta
+
+        store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(timeout))
+        port = store.port
+        publish_port(port)
+    else:
+        port = int(await_port())
+    group = init_transfer_group(backend, rank, world_size, master_addr, port, timeout, group_name, store)
+    return group, store
+
+
 __all__ = [
     "BACKENDS",
     "SHARED_SLOTS",
@@ -63,4 +97,5 @@ __all__ = [
     "TransferError",
     "TransferGroup",
     "init_transfer_group",
+    "init_transfer_group_on_free_port",
 ]
