@@ -139,7 +139,7 @@ class Exchange:
     def wait(
         self, pending: Pending, peer: int, role: str, version: int, tag: int, bucket: int | None
     ) -> None:
-        """Wait for one message; ``bucket`` None marks the closing checksum message."""
+        """Wait for one message; ``bucket`` None marks a closing message (checksums, outcome)."""
         self.bounded(lambda: pending.wait(self.timeout_s), peer, role, version, tag, bucket)
 
     def bounded(
@@ -150,7 +150,7 @@ class Exchange:
             return step()
         except (TimeoutError, RuntimeError) as exc:
             verb = "sending" if role == "send" else "receiving"
-            what = f"message {tag}" if bucket is not None else "the checksum list"
+            what = f"message {tag}" if bucket is not None else "the closing checksum list or outcome"
             direction = "to" if role == "send" else "from"
             raise TransferError(
                 f"rank {self.rank} failed {verb} {what} ({direction} its peer): {exc}",
@@ -184,6 +184,44 @@ class Exchange:
                         bucket=m.bucket,
                         version=version,
                     )
+
+
+    # --- the round's outcome --------------------------------------------------------------------
+
+    def _ack_tag(self, peer: int, role: str) -> int:
+        # after the data messages (tags 0..n-1) and the checksum list (tag n)
+        return len((self.recvs if role == "recv" else self.sends)[peer]) + 1
+
+    def tell_senders(self, version: int, landed: bool, timeout_s: float | None = None) -> None:
+        """Receiver side: tell every sender whether ``version`` landed here ([version, 1 or 0]).
+        Waits at most ``timeout_s`` per peer (default the exchange's); raises TransferError."""
+        status = torch.tensor([version, 1 if landed else 0], dtype=torch.int64, device=self.device)
+        posted = [(peer, self.post("send", status, peer, self._ack_tag(peer, "recv"), version, None))
+                  for peer in self.recvs]
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        for peer, pending in posted:
+            self.bounded(lambda p=pending: p.wait(wait_s), peer, "send", version,
+                         self._ack_tag(peer, "recv"), None)
+
+    def hear_receivers(self, version: int) -> None:
+        """Sender side: wait until every receiver says ``version`` landed; a receiver that says it
+        did not (its checksums disagreed, it failed) raises TransferError naming it."""
+        posted = []
+        for peer in self.sends:
+            status = torch.zeros(2, dtype=torch.int64, device=self.device)
+            posted.append((peer, status, self.post("recv", status, peer, self._ack_tag(peer, "send"), version,
+                                                   None)))
+        for peer, status, pending in posted:
+            self.wait(pending, peer, "recv", version, self._ack_tag(peer, "send"), None)
+            self.group.join_current_stream()
+            got_version, landed = status.cpu().tolist()
+            if got_version != version or landed != 1:
+                raise TransferError(
+                    f"rank {self.rank}: receiver rank {peer} reports that version {version} did not land "
+                    f"there (status {landed} for version {got_version}); its own error names the cause",
+                    peer=peer,
+                    version=version,
+                )
 
 
 class MessageStrategy(Protocol):

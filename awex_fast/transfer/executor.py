@@ -28,10 +28,16 @@ Contract (who calls what, in which order, what a failure leaves behind):
 * ``verify=True``: both sides compute a native checksum of every message; after the last
   message each sender sends its peer the list, and the receiver compares before it takes the
   version (zero-copy stays on).
+* The round's outcome: after its last message every receiver sends each of its senders
+  ``[version, landed]`` (one 16-byte message per pair), and a sender's `run` returns only once
+  all its receivers said the version landed. A receiver that fails (a checksum mismatch, a dead
+  peer) tells the senders still listening that it did not; either way no sender reports success
+  for a version that did not fully arrive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -305,6 +311,15 @@ class Executor:
             sent, received = self.strategy.run(version)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
+        except TransferError:
+            # best effort: senders still listening learn the version did not land here
+            with contextlib.suppress(TransferError):
+                self._exchange.tell_senders(version, landed=False, timeout_s=min(self.timeout_s, 5.0))
+            self.group.abort()
+            raise
+        try:  # every receiver tells its senders the round landed, so no sender reports a false success
+            self._exchange.tell_senders(version, landed=True)
+            self._exchange.hear_receivers(version)
         except TransferError:
             self.group.abort()
             raise
