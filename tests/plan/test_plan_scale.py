@@ -13,7 +13,8 @@ import pytest
 
 from awex_fast.layouts import model_spec
 from awex_fast.layouts.synthetic import world_metas
-from awex_fast.meta.core import ParameterMeta, ShardMeta, _shard_key, merge_metas
+from awex_fast.meta import ParameterMeta, ShardMeta, merge_metas
+from awex_fast.meta.merge import _shard_key
 from awex_fast.plan import PlanError, build_plan
 
 # ---------------------------------------------------------------------------------------------
