@@ -171,6 +171,11 @@ class World {
   WorldStats world_stats() const;
   // 128-bit digest of the canonical metadata, bucket_bytes and kPlannerVersion, as 32 hex digits.
   std::string digest() const;
+  // The first parameter (canonical index) of `side` with two non-empty pieces of one rank that
+  // overlap in global space or in the rank's local tensor, or -1 (plan_check.cpp). The
+  // constructor has checked each piece alone; build_plan asks this once per side and lets
+  // awex_fast.meta.validate_metas name the pieces when it finds one.
+  int64_t first_overlap(int side) const;
 
   int64_t op_cols() const { return kOpBoxes + 3 * static_cast<int64_t>(max_ndim_); }
   const std::vector<Param>& params() const { return params_; }
@@ -188,13 +193,48 @@ class World {
   int32_t pool(int side, int64_t i) const { return rank_pool_[side][i]; }
 
  private:
+  struct InputIndex;  // row offsets into one SideInput's flat arrays (plan_world.cpp)
+  struct DefIndex {   // where each distinct rule's fields start in a SideInput's flat arrays
+    std::vector<int64_t> dims, chunks, loc, ranks;
+  };
+  struct ParamError {  // throws PlanError("parameter '<name>' (<side> side): <what>")
+    const std::string& name;
+    int side;
+    [[noreturn]] void operator()(const std::string& what) const;
+  };
+
+  // Ingestion (plan_world.cpp), in the order the constructor runs it.
+  void merge_names(const SideInput* const in[2], const std::vector<int64_t> order[2],
+                   std::vector<int64_t> row_param[2]);
+  void ingest_defs(int side, const SideInput& in, const std::vector<int64_t>& row_param);
+  template <class Fail>
+  void read_def(int side, const SideInput& in, int64_t t, const DefIndex& at, Fail& fail);
+  void fingerprint(int side, RuleDef& d) const;
   void ingest(int side, const SideInput& in, const std::vector<int64_t>& order,
               const std::vector<int64_t>& row_param);
-  void ingest_defs(int side, const SideInput& in, const std::vector<int64_t>& row_param);
-  bool holds(int side, const Param& P, int64_t rank) const;
+  int ingest_head(int side, const SideInput& in, const InputIndex& ix, int64_t row, Param& Pm,
+                  const ParamError& fail);
+  static void add_piece(const Param& Pm, int64_t rank, const int64_t* off, const int64_t* len,
+                        const int64_t* loc, int64_t nloc, std::vector<int64_t>& recs,
+                        const ParamError& fail);
+  static void append_pieces(const SideInput& in, const InputIndex& ix, int64_t row, const Param& Pm,
+                            std::vector<int64_t>& recs, const ParamError& fail);
+  void append_rule_refs(int side, const SideInput& in, const InputIndex& ix, int64_t row,
+                        const Param& Pm, const ParamError& fail);
+  void canonical_pieces(int side, SideParam& sp, int nd, const std::vector<int64_t>& recs);
+  void canonical_rules(int side, SideParam& sp);
+  void check_totals() const;
   static int64_t check_size(const Param& P);  // larger side's bytes; PlanError past the limits
+  // Whole-world checks (plan_check.cpp).
+  bool holds(int side, const Param& P, int64_t rank) const;
   void check_ranks();
   void check_coverage(int64_t p) const;
+  bool param_overlaps(int side, int64_t p, std::vector<int64_t>& stamp,
+                      std::vector<int32_t>& count) const;
+  // Per-rank plans (plan_solve.cpp).
+  void rank_ops(int64_t rank, std::vector<int64_t>& raw) const;
+  void bucketize(const std::vector<int64_t>& raw, std::vector<int64_t>& ops,
+                 std::vector<int64_t>& buckets) const;
 
   std::vector<Param> params_;
   std::vector<int64_t> pieces_[2];

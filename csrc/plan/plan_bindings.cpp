@@ -460,6 +460,12 @@ class PyWorld {
 
   int64_t op_cols() const { return world_->op_cols(); }
 
+  int64_t first_overlap(int side) const {
+    if (side != kTrain && side != kInfer) throw PlanError("side must be 0 (training) or 1 (inference)");
+    py::gil_scoped_release release;
+    return world_->first_overlap(side);
+  }
+
  private:
   std::unique_ptr<World> world_;
 };
@@ -496,6 +502,9 @@ void register_apis(py::module_& m) {
       .def("names", &PyWorld::names, "Canonical (sorted, merged) parameter names.")
       .def("param_table", &PyWorld::param_table, "[P, 5 + MAX_DIMS] per-parameter facts.")
       .def("side_ranks", &PyWorld::side_ranks, py::arg("side"), "Sorted ranks of one side.")
+      .def("first_overlap", &PyWorld::first_overlap, py::arg("side"),
+           "Canonical index of the first parameter of a side where one rank holds two overlapping "
+           "pieces (global or local space), or -1.")
       .def_property_readonly("op_cols", &PyWorld::op_cols);
 }
 
