@@ -19,6 +19,9 @@
 #include <vector>
 
 namespace awex::plan {
+namespace detail {
+struct Scratch;
+}
 
 constexpr int kMaxDims = 8;
 // Bumped whenever the plan a given metadata produces changes; part of every digest.
@@ -79,8 +82,8 @@ struct SideInput {
       piece_loc;                                                // [N] (+ flat)
   // [P] or empty: more explicit pieces of row p, packed[p] -> packed_n[p] records
   // [rank, off[ndim], len[ndim], loc[ndim]] (null / 0: none). Packed by merge_metas once, so
-  // that a row of 64 pieces is one buffer, not 64 objects; the buffers outlive the World's
-  // constructor (plan_bindings.cpp keeps their owners alive).
+  // that a row of 64 pieces is one buffer, not 64 objects; the buffers outlive the World
+  // (plan_bindings.cpp keeps them alive as long as it), which may read them in place.
   std::vector<const int64_t*> packed;
   std::vector<int64_t> packed_n;
   std::vector<int64_t> rule_ref;                                // [R] -> distinct rule
@@ -134,7 +137,10 @@ struct SideParam {
   bool present = false;
   int32_t dtype = -1;
   int32_t itemsize = 0;
-  int64_t piece_begin = 0, piece_count = 0;
+  int64_t piece_begin = 0, piece_count = 0;  // piece_begin: into World::pieces_, or -1
+  // The records: World::pieces_ + piece_begin, or a packed buffer (merge_metas) already in
+  // canonical order, which the World's owner keeps alive (plan_bindings.cpp): never copied.
+  const int64_t* recs = nullptr;
   int64_t rule_begin = 0, rule_count = 0;
   int64_t expanded = 0;
   int64_t min_rank = 0, max_rank = -1;
@@ -185,7 +191,8 @@ class World {
 
   // Internal accessors for the solver (plan_solve.cpp).
   const int64_t* piece(int side, const SideParam& sp, int64_t i, int nd) const {
-    return &pieces_[side][sp.piece_begin + i * (1 + 3 * nd)];
+    (void)side;
+    return sp.recs + i * (1 + 3 * nd);
   }
   Rule rule(int side, const Param& P, int64_t i) const;
   const RuleDef& def(int side, int64_t d) const { return defs_[side][d]; }
@@ -221,6 +228,8 @@ class World {
                             std::vector<int64_t>& recs, const ParamError& fail);
   void append_rule_refs(int side, const SideInput& in, const InputIndex& ix, int64_t row,
                         const Param& Pm, const ParamError& fail);
+  static bool packed_canonical(const Param& Pm, const int64_t* x0, int64_t n);
+  static void piece_ranks(SideParam& sp, int nd);
   void canonical_pieces(int side, SideParam& sp, int nd, const std::vector<int64_t>& recs);
   void canonical_rules(int side, SideParam& sp);
   void check_totals() const;
@@ -228,7 +237,7 @@ class World {
   // Whole-world checks (plan_check.cpp).
   bool holds(int side, const Param& P, int64_t rank) const;
   void check_ranks();
-  void check_coverage(int64_t p) const;
+  void check_coverage(int64_t p, detail::Scratch& s) const;
   bool param_overlaps(int side, int64_t p, std::vector<int64_t>& stamp,
                       std::vector<int32_t>& count) const;
   // Per-rank plans (plan_solve.cpp).

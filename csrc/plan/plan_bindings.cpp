@@ -213,7 +213,7 @@ class Encoder {
     in_.packed.back() = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(bytes));
     in_.packed_n.back() = n;
     in_.npieces.push_back(0);
-    Py_INCREF(bytes);  // read by the World's constructor
+    Py_INCREF(bytes);  // read in place by the World for its whole life
     keep_.push_back(bytes);
     return true;
   }
@@ -379,13 +379,7 @@ class PyWorld {
   PyWorld(const py::object& train, const py::object& infer, int64_t bucket_bytes,
           const py::dict& dtype_codes, const std::vector<int64_t>& itemsizes,
           const py::object& dtype_fallback, int64_t min_part_bytes) {
-    std::vector<PyObject*> keep;  // names and rules read by the encoders
-    struct Release {
-      std::vector<PyObject*>& refs;
-      ~Release() {
-        for (PyObject* o : refs) Py_DECREF(o);
-      }
-    } release_refs{keep};
+    std::vector<PyObject*>& keep = keep_.refs;
     const SideInput t = Encoder("training", dtype_codes.ptr(), itemsizes, dtype_fallback.ptr(), keep)
                             .run(train.ptr());
     const SideInput i = Encoder("inference", dtype_codes.ptr(), itemsizes, dtype_fallback.ptr(), keep)
@@ -467,6 +461,18 @@ class PyWorld {
   }
 
  private:
+  // Names, rules and packed shard buffers the encoders read: the World reads packed buffers in
+  // place for its whole life (SideParam::recs), so they are released only after it (members are
+  // destroyed in reverse order; Python holds the GIL when it frees a PyWorld).
+  struct Refs {
+    std::vector<PyObject*> refs;
+    Refs() = default;
+    Refs(const Refs&) = delete;
+    Refs& operator=(const Refs&) = delete;
+    ~Refs() {
+      for (PyObject* o : refs) Py_DECREF(o);
+    }
+  } keep_;
   std::unique_ptr<World> world_;
 };
 

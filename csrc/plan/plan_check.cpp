@@ -115,7 +115,7 @@ bool World::holds(int s, const Param& P, int64_t rank) const {
   const SideParam& sp = P.side[s];
   if (!sp.present || rank < sp.min_rank || rank > sp.max_rank) return false;
   for (int64_t i = 0; i < sp.piece_count; ++i) {
-    if (pieces_[s][sp.piece_begin + i * (1 + 3 * P.ndim)] == rank) return true;
+    if (piece(s, sp, i, P.ndim)[0] == rank) return true;
   }
   for (int64_t i = 0; i < sp.rule_count; ++i) {
     const RuleRef& ref = rules_[s][sp.rule_begin + i];
@@ -140,7 +140,7 @@ void World::check_ranks() {
       const SideParam& sp = P.side[s];
       if (!sp.present) continue;
       const int stride = 1 + 3 * P.ndim;
-      for (int64_t i = 0; i < sp.piece_count; ++i) seen[pieces_[s][sp.piece_begin + i * stride]] |= bit;
+      for (int64_t i = 0; i < sp.piece_count; ++i) seen[sp.recs[i * stride]] |= bit;
       for (int64_t i = 0; i < sp.rule_count; ++i) {
         const RuleRef& ref = rules_[s][sp.rule_begin + i];
         if (ref.cells > 0) def_used[ref.def] = 1;
@@ -174,12 +174,11 @@ void World::check_ranks() {
   }
 }
 
-void World::check_coverage(int64_t p) const {
+void World::check_coverage(int64_t p, Scratch& s) const {
   const Param& P = params_[p];
   if (!P.side[kTrain].present || !P.side[kInfer].present || P.side[kInfer].expanded == 0) return;
   if (P.side[kTrain].rule_count > 0) return;  // a rule tiles the whole tensor
   int64_t zero[kMaxDims] = {};
-  Scratch s(*this);
   gather(*this, p, zero, P.shape, s);
   bool covered = !s.holders.empty();
   if (covered) {

@@ -12,6 +12,7 @@
 
 #include "plan/hash.h"
 #include "plan/plan.h"
+#include "plan/solve.h"
 #include "plan/util.h"
 
 namespace awex::plan {
@@ -43,6 +44,19 @@ std::vector<int64_t> name_order(const std::vector<std::string_view>& names) {
     std::stable_sort(order.begin(), order.end(), less);
   }
   return order;
+}
+
+// Canonical order of explicit piece records [rank, off, len, loc]: (offset, shape, rank, local
+// offset), so that replicas of one box are adjacent.
+bool canonical_less(const int64_t* x, const int64_t* y, int nd) {
+  for (int j = 1; j < 1 + 2 * nd; ++j) {
+    if (x[j] != y[j]) return x[j] < y[j];
+  }
+  if (x[0] != y[0]) return x[0] < y[0];
+  for (int j = 1 + 2 * nd; j < 1 + 3 * nd; ++j) {
+    if (x[j] != y[j]) return x[j] < y[j];
+  }
+  return false;
 }
 
 }  // namespace
@@ -106,9 +120,16 @@ World::World(const SideInput& train, const SideInput& infer, int64_t bucket_byte
     ingest_defs(s, *in[s], row_param[s]);
     ingest(s, *in[s], order[s], row_param[s]);
   }
+  for (Param& P : params_) {  // pieces_ no longer moves: point the copied records at it
+    for (int s = 0; s < 2; ++s) {
+      SideParam& sp = P.side[s];
+      if (sp.present && sp.piece_begin >= 0) sp.recs = pieces_[s].data() + sp.piece_begin;
+    }
+  }
   check_totals();
   check_ranks();
-  for (int64_t p = 0; p < static_cast<int64_t>(params_.size()); ++p) check_coverage(p);
+  detail::Scratch scratch(*this);
+  for (int64_t p = 0; p < static_cast<int64_t>(params_.size()); ++p) check_coverage(p, scratch);
 }
 
 void World::merge_names(const SideInput* const in[2], const std::vector<int64_t> order[2],
@@ -287,9 +308,6 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
   rules_[s].reserve(rules_[s].size() + static_cast<size_t>(ix.rule_at.back()));
   size_t words = static_cast<size_t>(ix.piece_at.back() + ix.off_at.back() + ix.len_at.back() +
                                      ix.ploc_at.back());
-  for (size_t r = 0; r < in.packed_n.size(); ++r) {
-    words += static_cast<size_t>(in.packed_n[r] * (1 + 3 * in.ndim[r]));
-  }
   pieces_[s].reserve(pieces_[s].size() + words);
   std::vector<int64_t> recs;  // explicit piece records of the parameter being ingested
   size_t k = 0;
@@ -302,6 +320,23 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
     const int nd = ingest_head(s, in, ix, row0, Pm, fail);
     recs.clear();
     sp.rule_begin = static_cast<int64_t>(rules_[s].size());
+    // One row whose explicit pieces are all packed, valid and in canonical order (what
+    // merge_metas gives): the planner reads the packed buffer in place.
+    const bool one_row = k + 1 == order.size() || row_param[order[k + 1]] != p;
+    const bool in_place = one_row && !in.packed.empty() && in.packed[row0] &&
+                          ix.piece_at[row0 + 1] == ix.piece_at[row0] &&
+                          packed_canonical(Pm, in.packed[row0], in.packed_n[row0]);
+    if (in_place) {
+      append_rule_refs(s, in, ix, row0, Pm, fail);
+      ++k;
+      sp.piece_begin = -1;
+      sp.recs = in.packed[row0];
+      sp.piece_count = in.packed_n[row0];
+      piece_ranks(sp, nd);
+      canonical_rules(s, sp);
+      max_ndim_ = std::max<int32_t>(max_ndim_, nd);
+      continue;
+    }
     for (; k < order.size() && row_param[order[k]] == p; ++k) {
       const int64_t row = order[k];
       if (in.ndim[row] != nd || in.dtype[row] != sp.dtype ||
@@ -432,28 +467,14 @@ void World::append_rule_refs(int s, const SideInput& in, const InputIndex& ix, i
 }
 
 void World::canonical_pieces(int s, SideParam& sp, int nd, const std::vector<int64_t>& recs) {
-  // Canonical order of explicit pieces: (offset, shape, rank, local offset).
   const int stride = 1 + 3 * nd;
   const int64_t npc = static_cast<int64_t>(recs.size()) / stride;
-  auto rec_less = [&](int64_t a, int64_t b) {
-    const int64_t* x = &recs[a * stride];
-    const int64_t* y = &recs[b * stride];
-    for (int j = 1; j < 1 + 2 * nd; ++j) {
-      if (x[j] != y[j]) return x[j] < y[j];
-    }
-    if (x[0] != y[0]) return x[0] < y[0];
-    for (int j = 1 + 2 * nd; j < stride; ++j) {
-      if (x[j] != y[j]) return x[j] < y[j];
-    }
-    return false;
-  };
+  auto rec_less = [&](int64_t a, int64_t b) { return canonical_less(&recs[a * stride], &recs[b * stride], nd); };
   bool sorted = true;
   for (int64_t j = 1; sorted && j < npc; ++j) sorted = !rec_less(j, j - 1);
   sp.piece_begin = static_cast<int64_t>(pieces_[s].size());
   sp.piece_count = npc;
-  sp.min_rank = INT64_MAX;
-  sp.max_rank = -1;
-  if (sorted) {  // merge_metas packs records in this order: one copy
+  if (sorted) {
     pieces_[s].insert(pieces_[s].end(), recs.begin(), recs.end());
   } else {
     std::vector<int64_t> rec_order(static_cast<size_t>(npc));
@@ -461,8 +482,31 @@ void World::canonical_pieces(int s, SideParam& sp, int nd, const std::vector<int
     std::sort(rec_order.begin(), rec_order.end(), rec_less);
     for (int64_t j : rec_order) pieces_[s].insert(pieces_[s].end(), &recs[j * stride], &recs[j * stride] + stride);
   }
-  for (int64_t j = 0; j < npc; ++j) {
-    const int64_t r = recs[j * stride];
+  sp.recs = pieces_[s].data() + sp.piece_begin;  // until pieces_ grows; fixed in the constructor
+  piece_ranks(sp, nd);
+}
+
+bool World::packed_canonical(const Param& Pm, const int64_t* x0, int64_t n) {
+  // Every record valid and non-empty (as append_pieces' fast path checks), in canonical order.
+  const int nd = Pm.ndim;
+  const int stride = 1 + 3 * nd;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t* x = x0 + j * stride;
+    if (x[0] < 0 || x[0] > INT32_MAX || (j > 0 && canonical_less(x, x - stride, nd))) return false;
+    for (int d = 0; d < nd; ++d) {
+      const int64_t off = x[1 + d], len = x[1 + nd + d], loc = x[1 + 2 * nd + d];
+      if (off < 0 || len <= 0 || len > Pm.shape[d] - off || loc < 0) return false;
+    }
+  }
+  return true;
+}
+
+void World::piece_ranks(SideParam& sp, int nd) {
+  const int stride = 1 + 3 * nd;
+  sp.min_rank = INT64_MAX;
+  sp.max_rank = -1;
+  for (int64_t j = 0; j < sp.piece_count; ++j) {
+    const int64_t r = sp.recs[j * stride];
     sp.min_rank = std::min(sp.min_rank, r);
     sp.max_rank = std::max(sp.max_rank, r);
   }
@@ -547,7 +591,7 @@ std::string World::digest() const {
       h.add_signed(sp.itemsize);
       h.add_signed(sp.piece_count);
       const int64_t words = sp.piece_count * (1 + 3 * P.ndim);
-      for (int64_t j = 0; j < words; ++j) h.add_signed(pieces_[s][sp.piece_begin + j]);
+      for (int64_t j = 0; j < words; ++j) h.add_signed(sp.recs[j]);
       h.add_signed(sp.rule_count);
       for (int64_t i = 0; i < sp.rule_count; ++i) {
         const RuleDef& d = defs_[s][rules_[s][sp.rule_begin + i].def];
