@@ -144,6 +144,8 @@ struct SideParam {
   int64_t rule_begin = 0, rule_count = 0;
   int64_t expanded = 0;
   int64_t min_rank = 0, max_rank = -1;
+  // Some rank may hold two explicit pieces (set at ingestion; false proves it cannot).
+  bool rank_dup = false;
 };
 
 struct Param {
@@ -228,8 +230,8 @@ class World {
                             std::vector<int64_t>& recs, const ParamError& fail);
   void append_rule_refs(int side, const SideInput& in, const InputIndex& ix, int64_t row,
                         const Param& Pm, const ParamError& fail);
-  static bool packed_canonical(const Param& Pm, const int64_t* x0, int64_t n);
-  static void piece_ranks(SideParam& sp, int nd);
+  bool scan_packed(int side, Param& Pm, const int64_t* x0, int64_t n);
+  void piece_ranks(int side, SideParam& sp, int nd);
   void canonical_pieces(int side, SideParam& sp, int nd, const std::vector<int64_t>& recs);
   void canonical_rules(int side, SideParam& sp);
   void check_totals() const;
@@ -240,6 +242,8 @@ class World {
   void check_coverage(int64_t p, detail::Scratch& s) const;
   bool param_overlaps(int side, int64_t p, std::vector<int64_t>& stamp,
                       std::vector<int32_t>& count) const;
+  // World-wide counts (plan_stats.cpp): dense sender / receiver indices.
+  void stats_ranks(WorldStats& st, std::vector<int64_t>& sidx, std::vector<int64_t>& ridx) const;
   // Per-rank plans (plan_solve.cpp).
   void rank_ops(int64_t rank, std::vector<int64_t>& raw) const;
   void bucketize(const std::vector<int64_t>& raw, std::vector<int64_t>& ops,
@@ -251,6 +255,13 @@ class World {
   std::vector<RuleRef> rules_[2];
   std::vector<int32_t> rank_pool_[2];
   std::vector<int64_t> side_ranks_[2];
+  // Per rank below kMarkRanks, filled while reading explicit pieces: bit s set if the rank holds
+  // one on side s (check_ranks), and the last parameter side that counted it (rank_dup).
+  static constexpr int64_t kMarkRanks = int64_t{1} << 22;
+  std::vector<uint8_t> seen_;
+  std::vector<uint32_t> stamp_;
+  uint32_t stamp_id_ = 0;
+  bool seen_all_ = true;  // false: some rank >= kMarkRanks, check_ranks scans the pieces
   int64_t bucket_bytes_ = 0;
   int64_t min_part_bytes_ = kMinPartBytes;
   int32_t max_ndim_ = 1;

@@ -63,6 +63,7 @@ bool World::param_overlaps(int s, int64_t p, std::vector<int64_t>& stamp,
   const Param& P = params_[p];
   const SideParam& sp = P.side[s];
   if (!sp.present) return false;
+  if (!sp.rank_dup && sp.rule_count == 0) return false;  // every rank holds one piece at most
   const int nd = P.ndim;
   const int stride = 1 + 3 * nd;
   // Only a rank holding more than one piece can overlap itself: count pieces per rank first.
@@ -132,7 +133,10 @@ void World::check_ranks() {
   for (const Param& P : params_) {
     for (int s = 0; s < 2; ++s) max_rank = std::max(max_rank, P.side[s].max_rank);
   }
-  std::vector<uint8_t> seen(static_cast<size_t>(max_rank + 1), 0);
+  // Explicit pieces were marked in seen_ as they were read (unless a rank was too large).
+  std::vector<uint8_t> seen(std::move(seen_));
+  seen.resize(static_cast<size_t>(max_rank + 1), 0);
+  if (!seen_all_) std::fill(seen.begin(), seen.end(), 0);
   for (int s = 0; s < 2; ++s) {
     const uint8_t bit = static_cast<uint8_t>(1u << s);
     std::vector<uint8_t> def_used(defs_[s].size(), 0);
@@ -140,7 +144,7 @@ void World::check_ranks() {
       const SideParam& sp = P.side[s];
       if (!sp.present) continue;
       const int stride = 1 + 3 * P.ndim;
-      for (int64_t i = 0; i < sp.piece_count; ++i) seen[sp.recs[i * stride]] |= bit;
+      for (int64_t i = 0; !seen_all_ && i < sp.piece_count; ++i) seen[sp.recs[i * stride]] |= bit;
       for (int64_t i = 0; i < sp.rule_count; ++i) {
         const RuleRef& ref = rules_[s][sp.rule_begin + i];
         if (ref.cells > 0) def_used[ref.def] = 1;

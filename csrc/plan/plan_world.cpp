@@ -325,14 +325,11 @@ void World::ingest(int s, const SideInput& in, const std::vector<int64_t>& order
     const bool one_row = k + 1 == order.size() || row_param[order[k + 1]] != p;
     const bool in_place = one_row && !in.packed.empty() && in.packed[row0] &&
                           ix.piece_at[row0 + 1] == ix.piece_at[row0] &&
-                          packed_canonical(Pm, in.packed[row0], in.packed_n[row0]);
+                          scan_packed(s, Pm, in.packed[row0], in.packed_n[row0]);
     if (in_place) {
       append_rule_refs(s, in, ix, row0, Pm, fail);
       ++k;
       sp.piece_begin = -1;
-      sp.recs = in.packed[row0];
-      sp.piece_count = in.packed_n[row0];
-      piece_ranks(sp, nd);
       canonical_rules(s, sp);
       max_ndim_ = std::max<int32_t>(max_ndim_, nd);
       continue;
@@ -483,11 +480,12 @@ void World::canonical_pieces(int s, SideParam& sp, int nd, const std::vector<int
     for (int64_t j : rec_order) pieces_[s].insert(pieces_[s].end(), &recs[j * stride], &recs[j * stride] + stride);
   }
   sp.recs = pieces_[s].data() + sp.piece_begin;  // until pieces_ grows; fixed in the constructor
-  piece_ranks(sp, nd);
+  piece_ranks(s, sp, nd);
 }
 
-bool World::packed_canonical(const Param& Pm, const int64_t* x0, int64_t n) {
-  // Every record valid and non-empty (as append_pieces' fast path checks), in canonical order.
+bool World::scan_packed(int s, Param& Pm, const int64_t* x0, int64_t n) {
+  // One pass over a packed buffer: every record valid and non-empty (as append_pieces' fast path
+  // checks) and in canonical order; then its ranks are noted (piece_ranks) while still cached.
   const int nd = Pm.ndim;
   const int stride = 1 + 3 * nd;
   for (int64_t j = 0; j < n; ++j) {
@@ -498,17 +496,40 @@ bool World::packed_canonical(const Param& Pm, const int64_t* x0, int64_t n) {
       if (off < 0 || len <= 0 || len > Pm.shape[d] - off || loc < 0) return false;
     }
   }
+  SideParam& sp = Pm.side[s];
+  sp.recs = x0;
+  sp.piece_count = n;
+  piece_ranks(s, sp, nd);
   return true;
 }
 
-void World::piece_ranks(SideParam& sp, int nd) {
+void World::piece_ranks(int s, SideParam& sp, int nd) {
+  // Rank range, the side's bit in seen_, and whether some rank holds two pieces (stamp_).
   const int stride = 1 + 3 * nd;
+  const uint8_t bit = static_cast<uint8_t>(1u << s);
+  if (++stamp_id_ == 0) {  // wrapped: old stamps could collide
+    std::fill(stamp_.begin(), stamp_.end(), 0);
+    stamp_id_ = 1;
+  }
   sp.min_rank = INT64_MAX;
   sp.max_rank = -1;
+  sp.rank_dup = false;
   for (int64_t j = 0; j < sp.piece_count; ++j) {
     const int64_t r = sp.recs[j * stride];
     sp.min_rank = std::min(sp.min_rank, r);
     sp.max_rank = std::max(sp.max_rank, r);
+    if (r >= kMarkRanks) {
+      seen_all_ = false;
+      sp.rank_dup = true;  // not tracked: let the overlap check look
+      continue;
+    }
+    if (r >= static_cast<int64_t>(seen_.size())) {
+      seen_.resize(static_cast<size_t>(std::max<int64_t>(r + 1, 2 * seen_.size())), 0);
+      stamp_.resize(seen_.size(), 0);
+    }
+    seen_[r] |= bit;
+    sp.rank_dup |= stamp_[r] == stamp_id_;
+    stamp_[r] = stamp_id_;
   }
 }
 
