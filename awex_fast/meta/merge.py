@@ -67,7 +67,10 @@ def merge_metas(
             merged = tuple(shards) if order is None else tuple(map(shards.__getitem__, order))
         meta = ParameterMeta(name, shape, dtype, merged, tuple(sorted(rules, key=_rule_key)))
         if packed is not None:
-            object.__setattr__(meta, "_shard_pack", (merged, len(shape), records))
+            # The planner's reader trusts the fields after the records (the objects are frozen)
+            # once `merged` is the meta's very shards tuple: two attribute reads, not six.
+            fields = (meta.name, meta.global_shape, meta.dtype, meta.rules)
+            object.__setattr__(meta, "_shard_pack", (merged, len(shape), records, *fields))
         out.append(meta)
     return out
 

@@ -216,8 +216,9 @@ class ParameterMeta:
     ("bfloat16", "float32", "float8_e4m3fn", ...). ``shards`` lists explicit pieces, ``rules``
     compact grids; `pieces()` gives both expanded."""
 
-    # Not a field: `merge_metas` sets (shards, ndim, int64 records) on its results so that the
-    # planner reads the explicit pieces as one buffer (csrc/plan/plan_bindings.cpp).
+    # Not a field: `merge_metas` sets (shards, ndim, int64 records, name, global_shape, dtype,
+    # rules) on its results so that the planner reads the explicit pieces as one buffer and the
+    # other fields in one attribute read (csrc/plan/plan_bindings.cpp).
     _shard_pack = None
 
     name: str
