@@ -182,6 +182,14 @@ void World::check_coverage(int64_t p, Scratch& s) const {
   const Param& P = params_[p];
   if (!P.side[kTrain].present || !P.side[kInfer].present || P.side[kInfer].expanded == 0) return;
   if (P.side[kTrain].rule_count > 0) return;  // a rule tiles the whole tensor
+  const SideParam& tr = P.side[kTrain];
+  const int nd = P.ndim;
+  for (int64_t i = 0; i < tr.piece_count; ++i) {  // a piece of the whole tensor covers it
+    const int64_t* r = piece(kTrain, tr, i, nd);
+    bool full = true;
+    for (int d = 0; d < nd && full; ++d) full = r[1 + d] == 0 && r[1 + nd + d] == P.shape[d];
+    if (full) return;
+  }
   int64_t zero[kMaxDims] = {};
   gather(*this, p, zero, P.shape, s);
   bool covered = !s.holders.empty();
