@@ -2,9 +2,10 @@
 // inference rank, balanced over training replicas and cut into buckets.
 //
 // Why native: a Kimi-K2-sized MoE has ~70k tensors and ~9M inference pieces; planning them in
-// Python objects (as Awex 0.9 does) costs seconds per rank. Here Python hands over flat int64
-// arrays once (awex_fast/plan.py::_encode_side), rules stay rules (a compact grid over a rank
-// list, expanded on the fly), and one rank's plan comes back as one int64 array.
+// Python objects (as Awex 0.9 does) costs seconds per rank. Here the metadata objects are read
+// once into flat int64 arrays (plan_bindings.cpp; merge_metas' packed records are read in place),
+// rules stay rules (a compact grid over a rank list, expanded on the fly), and one rank's plan
+// comes back as one int64 array.
 //
 // Locality: every decision about a parameter is a pure function of that parameter's metadata
 // (and bucketing of a (sender, receiver) pair only of that pair's ops, in order), so
@@ -57,7 +58,7 @@ enum OpCol : int {
   kOpPeer,         // the other transfer rank
   kOpBucket,       // row of the bucket in this rank's bucket array
   kOpParam,        // index into the plan's canonical (sorted, merged) parameter list
-  kOpSrcDtype,     // dtype codes (awex_fast/plan.py::DTYPES)
+  kOpSrcDtype,     // dtype codes (awex_fast/plan/planner.py::DTYPES)
   kOpDstDtype,
   kOpByteOffset,   // where the op's packed bytes (receiver dtype) start inside the bucket
   kOpNbytes,       // packed bytes in the receiver's dtype

@@ -104,7 +104,8 @@ bool World::param_overlaps(int s, int64_t p, std::vector<int64_t>& stamp,
     size_t j = i;
     while (j < all.size() && all[j][0] == all[i][0]) ++j;
     for (int at : {1, 1 + 2 * nd}) {
-      group.assign(all.begin() + static_cast<std::ptrdiff_t>(i), all.begin() + static_cast<std::ptrdiff_t>(j));
+      group.assign(all.begin() + static_cast<std::ptrdiff_t>(i),
+                   all.begin() + static_cast<std::ptrdiff_t>(j));
       if (any_overlap(group, at, nd)) return true;
     }
     i = j;

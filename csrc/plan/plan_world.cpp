@@ -466,7 +466,9 @@ void World::append_rule_refs(int s, const SideInput& in, const InputIndex& ix, i
 void World::canonical_pieces(int s, SideParam& sp, int nd, const std::vector<int64_t>& recs) {
   const int stride = 1 + 3 * nd;
   const int64_t npc = static_cast<int64_t>(recs.size()) / stride;
-  auto rec_less = [&](int64_t a, int64_t b) { return canonical_less(&recs[a * stride], &recs[b * stride], nd); };
+  auto rec_less = [&](int64_t a, int64_t b) {
+    return canonical_less(&recs[a * stride], &recs[b * stride], nd);
+  };
   bool sorted = true;
   for (int64_t j = 1; sorted && j < npc; ++j) sorted = !rec_less(j, j - 1);
   sp.piece_begin = static_cast<int64_t>(pieces_[s].size());
@@ -477,7 +479,9 @@ void World::canonical_pieces(int s, SideParam& sp, int nd, const std::vector<int
     std::vector<int64_t> rec_order(static_cast<size_t>(npc));
     std::iota(rec_order.begin(), rec_order.end(), 0);
     std::sort(rec_order.begin(), rec_order.end(), rec_less);
-    for (int64_t j : rec_order) pieces_[s].insert(pieces_[s].end(), &recs[j * stride], &recs[j * stride] + stride);
+    for (int64_t j : rec_order) {
+      pieces_[s].insert(pieces_[s].end(), &recs[j * stride], &recs[j * stride] + stride);
+    }
   }
   sp.recs = pieces_[s].data() + sp.piece_begin;  // until pieces_ grows; fixed in the constructor
   piece_ranks(s, sp, nd);

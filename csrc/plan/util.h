@@ -31,15 +31,6 @@ inline std::string tuple_str(const int64_t* v, int n) {
   return out + (n == 1 ? ",)" : ")");
 }
 
-// "[0:4, 8:16]": a box as Python slices (the notation awex_fast.meta's messages use).
-inline std::string box_str(const int64_t* off, const int64_t* len, int n) {
-  std::string out = "[";
-  for (int i = 0; i < n; ++i) {
-    out += (i ? ", " : "") + std::to_string(off[i]) + ":" + std::to_string(off[i] + len[i]);
-  }
-  return out + "]";
-}
-
 inline const char* side_name(int s) { return s == 0 ? "training" : "inference"; }
 
 }  // namespace awex::plan
