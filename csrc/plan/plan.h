@@ -235,9 +235,9 @@ class World {
   void piece_ranks(int side, SideParam& sp, int nd);
   void canonical_pieces(int side, SideParam& sp, int nd, const std::vector<int64_t>& recs);
   void canonical_rules(int side, SideParam& sp);
+  // Whole-world checks (plan_check.cpp).
   void check_totals() const;
   static int64_t check_size(const Param& P);  // larger side's bytes; PlanError past the limits
-  // Whole-world checks (plan_check.cpp).
   bool holds(int side, const Param& P, int64_t rank) const;
   void check_ranks();
   void check_coverage(int64_t p, detail::Scratch& s) const;

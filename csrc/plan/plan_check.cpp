@@ -1,5 +1,6 @@
-// Checks that need the whole canonical world: no transfer rank on both sides, every needed
-// region held by some training piece, and no rank holding two overlapping pieces.
+// Checks that need the whole canonical world: sizes within the planner's limits, no transfer
+// rank on both sides, every needed region held by some training piece, and no rank holding two
+// overlapping pieces.
 #include <algorithm>
 #include <numeric>
 
@@ -111,6 +112,48 @@ bool World::param_overlaps(int s, int64_t p, std::vector<int64_t>& stamp,
     i = j;
   }
   return false;
+}
+
+void World::check_totals() const {
+  int64_t max_item = 1;
+  int64_t total_bytes = 0;
+  for (const Param& P : params_) {
+    total_bytes += check_size(P);
+    if (total_bytes > kMaxTotalBytes) {
+      throw PlanError("parameter '" + P.name + "' takes the parameters' total past the planner's " +
+                      "limit of 2^62 bytes");
+    }
+    if (P.side[kInfer].present && !P.side[kTrain].present) {
+      throw PlanError("parameter '" + P.name +
+                      "' is needed by the inference side but missing on the training side");
+    }
+    if (P.side[kInfer].present) max_item = std::max<int64_t>(max_item, P.side[kInfer].itemsize);
+  }
+  if (bucket_bytes_ < max_item) {
+    throw PlanError("bucket_bytes " + std::to_string(bucket_bytes_) +
+                    " is smaller than one element (" + std::to_string(max_item) + " bytes)");
+  }
+}
+
+int64_t World::check_size(const Param& P) {
+  // Elements, then bytes, each step checked against kMaxParamBytes before it can overflow.
+  int64_t numel = 1;
+  for (int d = 0; d < P.ndim; ++d) {
+    if (P.shape[d] != 0 && numel > kMaxParamBytes / P.shape[d]) numel = kMaxParamBytes + 1;
+    else numel *= P.shape[d];
+  }
+  int64_t bytes = 0;
+  for (int s = 0; s < 2; ++s) {
+    const SideParam& sp = P.side[s];
+    if (!sp.present) continue;
+    if (numel > kMaxParamBytes / sp.itemsize) {
+      throw PlanError("parameter '" + P.name + "' (" + side_name(s) + " side): global shape " +
+                      tuple_str(P.shape, P.ndim) + " of " + std::to_string(sp.itemsize) +
+                      "-byte elements exceeds the planner's limit of 2^48 bytes per parameter");
+    }
+    bytes = std::max(bytes, numel * sp.itemsize);
+  }
+  return bytes;
 }
 
 bool World::holds(int s, const Param& P, int64_t rank) const {
