@@ -46,7 +46,8 @@ LAYOUTS: dict[str, tuple[str, str, str]] = {
 }
 # Explicit-list twins: the same layouts as every rank's own ShardMeta list (what
 # metas_from_dtensors reports on the FSDP2 path) merged with merge_metas, which packs them for the
-# planner. Awex plans the same pieces (its metadata has no rules), so its columns are unchanged.
+# planner (records read in place, the overlap check native). Awex plans the same pieces (its
+# metadata has no rules), so its columns are unchanged. Issue 23's goal: both >= 20x Awex 0.9.
 EXPLICIT: dict[str, str] = {"72b-explicit": "72b", "kimi-ep-explicit": "kimi-ep"}
 DEFAULT = "72b,72b-explicit,72b-1024,kimi-ep,kimi-ep-explicit"
 

@@ -17,16 +17,10 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from awex_fast.meta.core import (
-    MetadataError,
-    ParameterMeta,
-    ShardMeta,
-    ShardRule,
-    _gc_paused,
-    _short,
-    merge_metas,
-    validate_metas,
-)
+from awex_fast.meta.errors import MetadataError, _gc_paused, _short
+from awex_fast.meta.merge import merge_metas
+from awex_fast.meta.shards import ParameterMeta, ShardMeta, ShardRule
+from awex_fast.meta.validate import validate_metas
 
 # ---- JSON (de)serialisation ------------------------------------------------------------------
 

@@ -363,9 +363,13 @@ def build_plan(
         _check_casts(plan)
     # The native reader checked each piece alone (bounds, ranks, rule grids); pieces of one rank
     # that overlap (two global boxes written to one local box, or one box held twice) are found
-    # here, before any rank builds its ops.
-    _check_pieces(train, "training")
-    _check_pieces(infer, "inference")
+    # here, before any rank builds its ops: natively, in one sweep per side over the canonical
+    # pieces. Only when that finds one does `validate_metas` run, to name the parameter, the rank
+    # and both boxes as the metadata gives them (and to let pass what its merge drops: exact
+    # duplicates reported by two entries of one name, which the native sweep counts twice).
+    for side, metas in ((0, train), (1, infer)):
+        if world.first_overlap(side) >= 0:
+            _check_pieces(metas, ("training", "inference")[side])
     plan.build_time_s = time.perf_counter() - t0
     return plan
 

@@ -2,9 +2,10 @@
 // inference rank, balanced over training replicas and cut into buckets.
 //
 // Why native: a Kimi-K2-sized MoE has ~70k tensors and ~9M inference pieces; planning them in
-// Python objects (as Awex 0.9 does) costs seconds per rank. Here Python hands over flat int64
-// arrays once (awex_fast/plan.py::_encode_side), rules stay rules (a compact grid over a rank
-// list, expanded on the fly), and one rank's plan comes back as one int64 array.
+// Python objects (as Awex 0.9 does) costs seconds per rank. Here the metadata objects are read
+// once into flat int64 arrays (plan_bindings.cpp; merge_metas' packed records are read in place),
+// rules stay rules (a compact grid over a rank list, expanded on the fly), and one rank's plan
+// comes back as one int64 array.
 //
 // Locality: every decision about a parameter is a pure function of that parameter's metadata
 // (and bucketing of a (sender, receiver) pair only of that pair's ops, in order), so
@@ -19,6 +20,9 @@
 #include <vector>
 
 namespace awex::plan {
+namespace detail {
+struct Scratch;
+}
 
 constexpr int kMaxDims = 8;
 // Bumped whenever the plan a given metadata produces changes; part of every digest.
@@ -54,7 +58,7 @@ enum OpCol : int {
   kOpPeer,         // the other transfer rank
   kOpBucket,       // row of the bucket in this rank's bucket array
   kOpParam,        // index into the plan's canonical (sorted, merged) parameter list
-  kOpSrcDtype,     // dtype codes (awex_fast/plan.py::DTYPES)
+  kOpSrcDtype,     // dtype codes (awex_fast/plan/planner.py::DTYPES)
   kOpDstDtype,
   kOpByteOffset,   // where the op's packed bytes (receiver dtype) start inside the bucket
   kOpNbytes,       // packed bytes in the receiver's dtype
@@ -79,8 +83,8 @@ struct SideInput {
       piece_loc;                                                // [N] (+ flat)
   // [P] or empty: more explicit pieces of row p, packed[p] -> packed_n[p] records
   // [rank, off[ndim], len[ndim], loc[ndim]] (null / 0: none). Packed by merge_metas once, so
-  // that a row of 64 pieces is one buffer, not 64 objects; the buffers outlive the World's
-  // constructor (plan_bindings.cpp keeps their owners alive).
+  // that a row of 64 pieces is one buffer, not 64 objects; the buffers outlive the World
+  // (plan_bindings.cpp keeps them alive as long as it), which may read them in place.
   std::vector<const int64_t*> packed;
   std::vector<int64_t> packed_n;
   std::vector<int64_t> rule_ref;                                // [R] -> distinct rule
@@ -134,10 +138,15 @@ struct SideParam {
   bool present = false;
   int32_t dtype = -1;
   int32_t itemsize = 0;
-  int64_t piece_begin = 0, piece_count = 0;
+  int64_t piece_begin = 0, piece_count = 0;  // piece_begin: into World::pieces_, or -1
+  // The records: World::pieces_ + piece_begin, or a packed buffer (merge_metas) already in
+  // canonical order, which the World's owner keeps alive (plan_bindings.cpp): never copied.
+  const int64_t* recs = nullptr;
   int64_t rule_begin = 0, rule_count = 0;
   int64_t expanded = 0;
   int64_t min_rank = 0, max_rank = -1;
+  // Some rank may hold two explicit pieces (set at ingestion; false proves it cannot).
+  bool rank_dup = false;
 };
 
 struct Param {
@@ -171,6 +180,11 @@ class World {
   WorldStats world_stats() const;
   // 128-bit digest of the canonical metadata, bucket_bytes and kPlannerVersion, as 32 hex digits.
   std::string digest() const;
+  // The first parameter (canonical index) of `side` with two non-empty pieces of one rank that
+  // overlap in global space or in the rank's local tensor, or -1 (plan_check.cpp). The
+  // constructor has checked each piece alone; build_plan asks this once per side and lets
+  // awex_fast.meta.validate_metas name the pieces when it finds one.
+  int64_t first_overlap(int side) const;
 
   int64_t op_cols() const { return kOpBoxes + 3 * static_cast<int64_t>(max_ndim_); }
   const std::vector<Param>& params() const { return params_; }
@@ -180,7 +194,8 @@ class World {
 
   // Internal accessors for the solver (plan_solve.cpp).
   const int64_t* piece(int side, const SideParam& sp, int64_t i, int nd) const {
-    return &pieces_[side][sp.piece_begin + i * (1 + 3 * nd)];
+    (void)side;
+    return sp.recs + i * (1 + 3 * nd);
   }
   Rule rule(int side, const Param& P, int64_t i) const;
   const RuleDef& def(int side, int64_t d) const { return defs_[side][d]; }
@@ -188,13 +203,52 @@ class World {
   int32_t pool(int side, int64_t i) const { return rank_pool_[side][i]; }
 
  private:
+  struct InputIndex;  // row offsets into one SideInput's flat arrays (plan_world.cpp)
+  struct DefIndex {   // where each distinct rule's fields start in a SideInput's flat arrays
+    std::vector<int64_t> dims, chunks, loc, ranks;
+  };
+  struct ParamError {  // throws PlanError("parameter '<name>' (<side> side): <what>")
+    const std::string& name;
+    int side;
+    [[noreturn]] void operator()(const std::string& what) const;
+  };
+
+  // Ingestion (plan_world.cpp), in the order the constructor runs it.
+  void merge_names(const SideInput* const in[2], const std::vector<int64_t> order[2],
+                   std::vector<int64_t> row_param[2]);
+  void ingest_defs(int side, const SideInput& in, const std::vector<int64_t>& row_param);
+  template <class Fail>
+  void read_def(int side, const SideInput& in, int64_t t, const DefIndex& at, Fail& fail);
+  void fingerprint(int side, RuleDef& d) const;
   void ingest(int side, const SideInput& in, const std::vector<int64_t>& order,
               const std::vector<int64_t>& row_param);
-  void ingest_defs(int side, const SideInput& in, const std::vector<int64_t>& row_param);
-  bool holds(int side, const Param& P, int64_t rank) const;
+  int ingest_head(int side, const SideInput& in, const InputIndex& ix, int64_t row, Param& Pm,
+                  const ParamError& fail);
+  static void add_piece(const Param& Pm, int64_t rank, const int64_t* off, const int64_t* len,
+                        const int64_t* loc, int64_t nloc, std::vector<int64_t>& recs,
+                        const ParamError& fail);
+  static void append_pieces(const SideInput& in, const InputIndex& ix, int64_t row, const Param& Pm,
+                            std::vector<int64_t>& recs, const ParamError& fail);
+  void append_rule_refs(int side, const SideInput& in, const InputIndex& ix, int64_t row,
+                        const Param& Pm, const ParamError& fail);
+  bool scan_packed(int side, Param& Pm, const int64_t* x0, int64_t n);
+  void piece_ranks(int side, SideParam& sp, int nd);
+  void canonical_pieces(int side, SideParam& sp, int nd, const std::vector<int64_t>& recs);
+  void canonical_rules(int side, SideParam& sp);
+  // Whole-world checks (plan_check.cpp).
+  void check_totals() const;
   static int64_t check_size(const Param& P);  // larger side's bytes; PlanError past the limits
+  bool holds(int side, const Param& P, int64_t rank) const;
   void check_ranks();
-  void check_coverage(int64_t p) const;
+  void check_coverage(int64_t p, detail::Scratch& s) const;
+  bool param_overlaps(int side, int64_t p, std::vector<int64_t>& stamp,
+                      std::vector<int32_t>& count) const;
+  // World-wide counts (plan_stats.cpp): dense sender / receiver indices.
+  void stats_ranks(WorldStats& st, std::vector<int64_t>& sidx, std::vector<int64_t>& ridx) const;
+  // Per-rank plans (plan_solve.cpp).
+  void rank_ops(int64_t rank, std::vector<int64_t>& raw) const;
+  void bucketize(const std::vector<int64_t>& raw, std::vector<int64_t>& ops,
+                 std::vector<int64_t>& buckets) const;
 
   std::vector<Param> params_;
   std::vector<int64_t> pieces_[2];
@@ -202,6 +256,13 @@ class World {
   std::vector<RuleRef> rules_[2];
   std::vector<int32_t> rank_pool_[2];
   std::vector<int64_t> side_ranks_[2];
+  // Per rank below kMarkRanks, filled while reading explicit pieces: bit s set if the rank holds
+  // one on side s (check_ranks), and the last parameter side that counted it (rank_dup).
+  static constexpr int64_t kMarkRanks = int64_t{1} << 22;
+  std::vector<uint8_t> seen_;
+  std::vector<uint32_t> stamp_;
+  uint32_t stamp_id_ = 0;
+  bool seen_all_ = true;  // false: some rank >= kMarkRanks, check_ranks scans the pieces
   int64_t bucket_bytes_ = 0;
   int64_t min_part_bytes_ = kMinPartBytes;
   int32_t max_ndim_ = 1;

@@ -74,64 +74,73 @@ class Encoder {
     if (!seq.p) fail_py("the metas");
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.p);
     PyObject** items = PySequence_Fast_ITEMS(seq.p);
-    const Attrs& A = attrs();
     in_.names.reserve(n);
     in_.ndim.reserve(n);
     in_.dtype.reserve(n);
-    for (Py_ssize_t k = 0; k < n; ++k) {
-      PyObject* m = items[k];
-      where_ = nullptr;
-      PyObject* name = get(m, A.name, "name");  // kept alive until the World is built
-      keep_.push_back(name);
-      Py_ssize_t len = 0;
-      const char* utf8 = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &len) : nullptr;
-      if (!utf8) fail("metas[" + std::to_string(k) + "].name must be a string");
-      in_.names.emplace_back(utf8, static_cast<size_t>(len));
-      where_ = &in_.names.back();
-      {
-        Ref shape(get(m, A.global_shape, "global_shape"));
-        in_.ndim.push_back(ints(shape.p, in_.shape, "global_shape"));
-      }
-      {
-        Ref dt(get(m, A.dtype, "dtype"));
-        int64_t code = -1;
-        if (PyUnicode_Check(dt.p)) {
-          PyObject* c = PyDict_GetItemWithError(codes_, dt.p);  // borrowed
-          if (c) code = PyLong_AsLongLong(c);
-          if (PyErr_Occurred()) fail_py("dtype");
-        }
-        if (code < 0) {  // not a canonical name: let Python normalise it (or raise PlanError)
-          Ref c(PyObject_CallFunctionObjArgs(fallback_, dt.p, name, nullptr));
-          if (!c.p) throw py::error_already_set();
-          code = PyLong_AsLongLong(c.p);
-        }
-        if (code < 0 || code >= static_cast<int64_t>(itemsizes_.size())) fail("bad dtype code");
-        in_.dtype.push_back(code);
-        in_.itemsize.push_back(itemsizes_[code]);
-      }
-      {
-        Ref shards(get(m, A.shards, "shards"));
-        if (!packed(m, shards.p, in_.ndim.back())) {
-          Ref fast(PySequence_Fast(shards.p, "shards must be a sequence"));
-          if (!fast.p) fail_py("shards");
-          const Py_ssize_t ns = PySequence_Fast_GET_SIZE(fast.p);
-          in_.npieces.push_back(ns);
-          for (Py_ssize_t j = 0; j < ns; ++j) shard(PySequence_Fast_GET_ITEM(fast.p, j));
-        }
-      }
-      {
-        Ref rules(get(m, A.rules, "rules"));
-        Ref fast(PySequence_Fast(rules.p, "rules must be a sequence"));
-        if (!fast.p) fail_py("rules");
-        const Py_ssize_t nr = PySequence_Fast_GET_SIZE(fast.p);
-        in_.nrules.push_back(nr);
-        for (Py_ssize_t j = 0; j < nr; ++j) in_.rule_ref.push_back(rule(PySequence_Fast_GET_ITEM(fast.p, j)));
-      }
-    }
+    for (Py_ssize_t k = 0; k < n; ++k) param(items[k], k);
     return std::move(in_);
   }
 
  private:
+  // One metadata object. A merged ParameterMeta carries its fields in its `_shard_pack`
+  // (awex_fast.meta.merge_metas): two attribute reads instead of six.
+  void param(PyObject* m, Py_ssize_t k) {
+    const Attrs& A = attrs();
+    where_ = nullptr;
+    PyObject* pack = own_pack(m);  // held in keep_ (or null)
+    PyObject* name = pack ? PyTuple_GET_ITEM(pack, 3) : get(m, A.name, "name");
+    if (!pack) keep_.push_back(name);  // kept alive until the World is built
+    Py_ssize_t len = 0;
+    const char* utf8 = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &len) : nullptr;
+    if (!utf8) fail("metas[" + std::to_string(k) + "].name must be a string");
+    in_.names.emplace_back(utf8, static_cast<size_t>(len));
+    where_ = &in_.names.back();
+    {
+      Ref shape(field(m, pack, 4, A.global_shape, "global_shape"));
+      in_.ndim.push_back(ints(shape.p, in_.shape, "global_shape"));
+    }
+    {
+      Ref dt(field(m, pack, 5, A.dtype, "dtype"));
+      dtype(dt.p, name);
+    }
+    if (!packed(pack, in_.ndim.back())) {
+      Ref shards(get(m, A.shards, "shards"));
+      Ref fast(PySequence_Fast(shards.p, "shards must be a sequence"));
+      if (!fast.p) fail_py("shards");
+      const Py_ssize_t ns = PySequence_Fast_GET_SIZE(fast.p);
+      in_.npieces.push_back(ns);
+      for (Py_ssize_t j = 0; j < ns; ++j) shard(PySequence_Fast_GET_ITEM(fast.p, j));
+    }
+    Ref rules(field(m, pack, 6, A.rules, "rules"));
+    Ref fast(PySequence_Fast(rules.p, "rules must be a sequence"));
+    if (!fast.p) fail_py("rules");
+    const Py_ssize_t nr = PySequence_Fast_GET_SIZE(fast.p);
+    in_.nrules.push_back(nr);
+    for (Py_ssize_t j = 0; j < nr; ++j) in_.rule_ref.push_back(rule(PySequence_Fast_GET_ITEM(fast.p, j)));
+  }
+  // Field i of the pack (new reference), or attribute `attr` of m without one.
+  PyObject* field(PyObject* m, PyObject* pack, Py_ssize_t i, PyObject* attr, const char* what) const {
+    if (!pack) return get(m, attr, what);
+    PyObject* v = PyTuple_GET_ITEM(pack, i);
+    Py_INCREF(v);
+    return v;
+  }
+  void dtype(PyObject* dt, PyObject* name) {
+    int64_t code = -1;
+    if (PyUnicode_Check(dt)) {
+      PyObject* c = PyDict_GetItemWithError(codes_, dt);  // borrowed
+      if (c) code = PyLong_AsLongLong(c);
+      if (PyErr_Occurred()) fail_py("dtype");
+    }
+    if (code < 0) {  // not a canonical name: let Python normalise it (or raise PlanError)
+      Ref c(PyObject_CallFunctionObjArgs(fallback_, dt, name, nullptr));
+      if (!c.p) throw py::error_already_set();
+      code = PyLong_AsLongLong(c.p);
+    }
+    if (code < 0 || code >= static_cast<int64_t>(itemsizes_.size())) fail("bad dtype code");
+    in_.dtype.push_back(code);
+    in_.itemsize.push_back(itemsizes_[code]);
+  }
   [[noreturn]] void fail(const std::string& what) const {
     throw PlanError(where_ ? "parameter '" + std::string(*where_) + "' (" + side_ + " side): " + what
                            : std::string(side_) + " metadata: " + what);
@@ -186,35 +195,45 @@ class Encoder {
     Ref loc(get(sh, A.local_offset, "shard local_offset"));
     in_.piece_loc_n.push_back(ints(loc.p, in_.piece_loc, "shard local_offset"));
   }
-  // The explicit pieces of `m` from its `_shard_pack` (set by awex_fast.meta.merge_metas, see
-  // pack_shards below): (shards, ndim, bytes of int64 records [rank, off[nd], len[nd], loc[nd]])
-  // for exactly the `shards` object read. Returns false (nothing appended) when there is none
-  // or it does not describe `shards`; the caller then reads the pieces one by one.
-  bool packed(PyObject* m, PyObject* shards, int64_t nd) {
-    in_.packed.push_back(nullptr);
-    in_.packed_n.push_back(0);
-    PyObject* pack = PyObject_GetAttr(m, attrs().shard_pack);
+  // m's `_shard_pack` (set by awex_fast.meta.merge_metas, see pack_shards below) when it
+  // describes m: (shards, ndim, bytes of int64 records [rank, off[nd], len[nd], loc[nd]], name,
+  // global_shape, dtype, rules), its shards being the very `shards` object m holds (metadata
+  // objects are frozen: the other fields were read from m when the pack was made). Held in keep_
+  // for the World's life (the World reads the records in place); null when there is none.
+  PyObject* own_pack(PyObject* m) {
+    const Attrs& A = attrs();
+    PyObject* pack = PyObject_GetAttr(m, A.shard_pack);
     if (!pack) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) fail_py("cannot read _shard_pack");
       PyErr_Clear();
-      return false;
+      return nullptr;
     }
     Ref hold(pack);
-    if (!PyTuple_CheckExact(pack) || PyTuple_GET_SIZE(pack) != 3 || PyTuple_GET_ITEM(pack, 0) != shards ||
-        !PyTuple_CheckExact(shards) || !PyBytes_CheckExact(PyTuple_GET_ITEM(pack, 2))) {
-      return false;
+    if (!PyTuple_CheckExact(pack) || PyTuple_GET_SIZE(pack) != 7) return nullptr;
+    Ref shards(get(m, A.shards, "shards"));
+    if (PyTuple_GET_ITEM(pack, 0) != shards.p || !PyTuple_CheckExact(shards.p) ||
+        !PyBytes_CheckExact(PyTuple_GET_ITEM(pack, 2))) {
+      return nullptr;
     }
+    keep_.push_back(pack);
+    hold.p = nullptr;
+    return pack;
+  }
+  // The explicit pieces from the pack's records; false (nothing appended) without a pack or
+  // when its records do not match ndim: the caller then reads the pieces one by one.
+  bool packed(PyObject* pack, int64_t nd) {
+    in_.packed.push_back(nullptr);
+    in_.packed_n.push_back(0);
+    if (!pack) return false;
     const long long pnd = PyLong_AsLongLong(PyTuple_GET_ITEM(pack, 1));
     if (pnd == -1 && PyErr_Occurred()) PyErr_Clear();
     PyObject* bytes = PyTuple_GET_ITEM(pack, 2);
     const int64_t stride = 1 + 3 * nd;
-    const int64_t n = PyTuple_GET_SIZE(shards);
+    const int64_t n = PyTuple_GET_SIZE(PyTuple_GET_ITEM(pack, 0));
     if (pnd != nd || PyBytes_GET_SIZE(bytes) != static_cast<Py_ssize_t>(n * stride * 8)) return false;
     in_.packed.back() = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(bytes));
     in_.packed_n.back() = n;
     in_.npieces.push_back(0);
-    Py_INCREF(bytes);  // read by the World's constructor
-    keep_.push_back(bytes);
     return true;
   }
   int64_t rule(PyObject* r) {
@@ -379,13 +398,7 @@ class PyWorld {
   PyWorld(const py::object& train, const py::object& infer, int64_t bucket_bytes,
           const py::dict& dtype_codes, const std::vector<int64_t>& itemsizes,
           const py::object& dtype_fallback, int64_t min_part_bytes) {
-    std::vector<PyObject*> keep;  // names and rules read by the encoders
-    struct Release {
-      std::vector<PyObject*>& refs;
-      ~Release() {
-        for (PyObject* o : refs) Py_DECREF(o);
-      }
-    } release_refs{keep};
+    std::vector<PyObject*>& keep = keep_.refs;
     const SideInput t = Encoder("training", dtype_codes.ptr(), itemsizes, dtype_fallback.ptr(), keep)
                             .run(train.ptr());
     const SideInput i = Encoder("inference", dtype_codes.ptr(), itemsizes, dtype_fallback.ptr(), keep)
@@ -460,7 +473,25 @@ class PyWorld {
 
   int64_t op_cols() const { return world_->op_cols(); }
 
+  int64_t first_overlap(int side) const {
+    if (side != kTrain && side != kInfer) throw PlanError("side must be 0 (training) or 1 (inference)");
+    py::gil_scoped_release release;
+    return world_->first_overlap(side);
+  }
+
  private:
+  // Names, rules and packed shard buffers the encoders read: the World reads packed buffers in
+  // place for its whole life (SideParam::recs), so they are released only after it (members are
+  // destroyed in reverse order; Python holds the GIL when it frees a PyWorld).
+  struct Refs {
+    std::vector<PyObject*> refs;
+    Refs() = default;
+    Refs(const Refs&) = delete;
+    Refs& operator=(const Refs&) = delete;
+    ~Refs() {
+      for (PyObject* o : refs) Py_DECREF(o);
+    }
+  } keep_;
   std::unique_ptr<World> world_;
 };
 
@@ -496,6 +527,9 @@ void register_apis(py::module_& m) {
       .def("names", &PyWorld::names, "Canonical (sorted, merged) parameter names.")
       .def("param_table", &PyWorld::param_table, "[P, 5 + MAX_DIMS] per-parameter facts.")
       .def("side_ranks", &PyWorld::side_ranks, py::arg("side"), "Sorted ranks of one side.")
+      .def("first_overlap", &PyWorld::first_overlap, py::arg("side"),
+           "Canonical index of the first parameter of a side where one rank holds two overlapping "
+           "pieces (global or local space), or -1.")
       .def_property_readonly("op_cols", &PyWorld::op_cols);
 }
 

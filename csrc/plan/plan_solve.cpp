@@ -1,4 +1,5 @@
-// Per-rank plans and the build-time coverage check (the solver itself: plan/solve.h).
+// Per-rank plans (the solver itself: plan/solve.h): the queries a rank takes part in, their ops,
+// then the ops grouped by peer and cut into buckets.
 #include <algorithm>
 #include <numeric>
 
@@ -8,136 +9,129 @@
 namespace awex::plan {
 using namespace detail;  // the solver's vocabulary (plan/solve.h)
 
-void World::check_coverage(int64_t p) const {
-  const Param& P = params_[p];
-  if (!P.side[kTrain].present || !P.side[kInfer].present || P.side[kInfer].expanded == 0) return;
-  if (P.side[kTrain].rule_count > 0) return;  // a rule tiles the whole tensor
-  int64_t zero[kMaxDims] = {};
-  Scratch s(*this);
-  gather(*this, p, zero, P.shape, s);
-  bool covered = !s.holders.empty();
-  if (covered) {
-    int64_t total = 0;
-    try {
-      total = build_grid(P, zero, P.shape, s);
-    } catch (const PlanError&) {
-      covered = false;  // too fragmented for one grid: check every inference piece instead
+namespace {
+
+// Writes one op row (bucket columns still empty) per solver op that involves `rank`.
+struct RowSink {
+  std::vector<int64_t>& raw;
+  const Param* P;
+  const Query* q;
+  int64_t p, W, D, rank, kind;
+  void cell(const std::vector<Holder>&, const int64_t*, int64_t, int64_t) {}
+  void op(const Holder& h, const HBox& b, const int64_t* lo, const int64_t* len) {
+    if (kind == 0 && h.rank != rank) return;
+    const int nd = P->ndim;
+    const size_t at = raw.size();
+    raw.resize(at + W, 0);
+    int64_t* row = &raw[at];
+    int64_t vol = 1;
+    for (int d = 0; d < nd; ++d) vol *= len[d];
+    row[kOpKind] = kind;
+    row[kOpPeer] = kind == 0 ? q->rank : h.rank;
+    row[kOpParam] = p;
+    row[kOpSrcDtype] = P->side[kTrain].dtype;
+    row[kOpDstDtype] = P->side[kInfer].dtype;
+    row[kOpNbytes] = vol * P->side[kInfer].itemsize;
+    row[kOpNdim] = nd;
+    int64_t* so = row + kOpBoxes;
+    int64_t* dof = so + D;
+    int64_t* sh = dof + D;
+    for (int d = 0; d < D; ++d) sh[d] = 1;
+    for (int d = 0; d < nd; ++d) {
+      so[d] = lo[d] - b.off[d] + b.loc[d];
+      dof[d] = lo[d] - q->off[d] + q->loc[d];
+      sh[d] = len[d];
     }
-    for (int64_t c = 0; covered && c < total; ++c) covered = s.cell_start[c + 1] > s.cell_start[c];
   }
-  if (covered) return;
-  // Some region has no training piece: an error only if an inference piece needs it.
-  NullSink sink;
-  Query q;
-  for_each_query(*this, p, q, [&](const Query& qq) { solve(*this, p, qq, s, sink); });
+};
+
+// Inference pieces of P that overlap any of a training rank's pieces `mine`, into `out`
+// (sorted by expanded index, each once).
+void overlapping_queries(const World& w, const Param& P, const std::vector<Query>& mine,
+                         std::vector<Query>& out) {
+  out.clear();
+  const SideParam& inf = P.side[kInfer];
+  const int nd = P.ndim;
+  for (const Query& b : mine) {
+    for (int64_t i = 0; i < inf.piece_count; ++i) {
+      const int64_t* r = w.piece(kInfer, inf, i, nd);
+      bool hit = true;
+      for (int d = 0; d < nd && hit; ++d) {
+        hit = std::max(r[1 + d], b.off[d]) < std::min(r[1 + d] + r[1 + nd + d], b.off[d] + b.len[d]);
+      }
+      if (!hit) continue;
+      Query q;
+      q.index = i;
+      q.rank = r[0];
+      q.reps = explicit_reps(w, kInfer, inf, i, nd);
+      std::copy(r + 1, r + 1 + nd, q.off);
+      std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
+      std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+      out.push_back(q);
+    }
+    for (int64_t k = 0; k < inf.rule_count; ++k) {
+      const Rule R = w.rule(kInfer, P, inf.rule_begin + k);
+      for_rule_cells(P, R, b.off, b.len, [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
+        Query q;
+        std::copy(off, off + nd, q.off);
+        std::copy(ext, ext + nd, q.len);
+        for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
+        q.reps = R.replicas;
+        for (int64_t j = 0; j < R.replicas; ++j) {
+          q.index = R.piece_base + o * R.replicas + j;
+          q.rank = w.pool(kInfer, R.ranks_begin + j * R.total + c);
+          out.push_back(q);
+        }
+      });
+    }
+  }
+  sort_unique(out);
 }
 
+}  // namespace
+
 void World::plan_rank(int64_t rank, std::vector<int64_t>& ops, std::vector<int64_t>& buckets) const {
+  std::vector<int64_t> raw;  // op rows, bucket columns still empty
+  rank_ops(rank, raw);
+  bucketize(raw, ops, buckets);
+}
+
+void World::rank_ops(int64_t rank, std::vector<int64_t>& raw) const {
   const int64_t W = op_cols();
   const int D = max_ndim_;
   const Positions pos(*this, rank);
   Scratch s(*this);
-  std::vector<int64_t> raw;  // op rows, bucket columns still empty
-  std::vector<Query> mine;
-
-  struct Sink {
-    std::vector<int64_t>& raw;
-    const Param* P;
-    const Query* q;
-    int64_t p, W, D, rank, kind;
-    void cell(const std::vector<Holder>&, const int64_t*, int64_t, int64_t) {}
-    void op(const Holder& h, const HBox& b, const int64_t* lo, const int64_t* len) {
-      if (kind == 0 && h.rank != rank) return;
-      const int nd = P->ndim;
-      const size_t at = raw.size();
-      raw.resize(at + W, 0);
-      int64_t* row = &raw[at];
-      int64_t vol = 1;
-      for (int d = 0; d < nd; ++d) vol *= len[d];
-      row[kOpKind] = kind;
-      row[kOpPeer] = kind == 0 ? q->rank : h.rank;
-      row[kOpParam] = p;
-      row[kOpSrcDtype] = P->side[kTrain].dtype;
-      row[kOpDstDtype] = P->side[kInfer].dtype;
-      row[kOpNbytes] = vol * P->side[kInfer].itemsize;
-      row[kOpNdim] = nd;
-      int64_t* so = row + kOpBoxes;
-      int64_t* dof = so + D;
-      int64_t* sh = dof + D;
-      for (int d = 0; d < D; ++d) sh[d] = 1;
-      for (int d = 0; d < nd; ++d) {
-        so[d] = lo[d] - b.off[d] + b.loc[d];
-        dof[d] = lo[d] - q->off[d] + q->loc[d];
-        sh[d] = len[d];
-      }
-    }
-  };
-
+  std::vector<Query> mine, queries;
   for (int64_t p = 0; p < static_cast<int64_t>(params_.size()); ++p) {
     const Param& P = params_[p];
     if (!P.side[kTrain].present || !P.side[kInfer].present) continue;
-    for (int kind = 0; kind < 2; ++kind) {
-      const SideParam& own = P.side[kind == 0 ? kTrain : kInfer];
+    for (int kind = 0; kind < 2; ++kind) {  // 0: rank sends (training), 1: it receives
+      const int side = kind == 0 ? kTrain : kInfer;
+      const SideParam& own = P.side[side];
       if (rank < own.min_rank || rank > own.max_rank) continue;
       mine.clear();
-      own_pieces(*this, p, kind == 0 ? kTrain : kInfer, rank, pos, mine);
+      own_pieces(*this, p, side, rank, pos, mine);
       if (mine.empty()) continue;
       if (kind == 1) {
         sort_unique(mine);
-        s.queries = mine;
+        queries = mine;
       } else {
-        // Inference pieces that overlap any of this rank's training pieces.
-        s.queries.clear();
-        const SideParam& inf = P.side[kInfer];
-        const int nd = P.ndim;
-        for (const Query& b : mine) {
-          for (int64_t i = 0; i < inf.piece_count; ++i) {
-            const int64_t* r = piece(kInfer, inf, i, nd);
-            bool hit = true;
-            for (int d = 0; d < nd && hit; ++d) {
-              hit = std::max(r[1 + d], b.off[d]) < std::min(r[1 + d] + r[1 + nd + d], b.off[d] + b.len[d]);
-            }
-            if (!hit) continue;
-            Query q;
-            q.index = i;
-            q.rank = r[0];
-            q.reps = explicit_reps(*this, kInfer, inf, i, nd);
-            std::copy(r + 1, r + 1 + nd, q.off);
-            std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
-            std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
-            s.queries.push_back(q);
-          }
-          for (int64_t k = 0; k < inf.rule_count; ++k) {
-            const Rule R = rule(kInfer, P, inf.rule_begin + k);
-            for_rule_cells(P, R, b.off, b.len,
-                           [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
-                             Query q;
-                             std::copy(off, off + nd, q.off);
-                             std::copy(ext, ext + nd, q.len);
-                             for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
-                             q.reps = R.replicas;
-                             for (int64_t j = 0; j < R.replicas; ++j) {
-                               q.index = R.piece_base + o * R.replicas + j;
-                               q.rank = pool(kInfer, R.ranks_begin + j * R.total + c);
-                               s.queries.push_back(q);
-                             }
-                           });
-          }
-        }
-        sort_unique(s.queries);
+        overlapping_queries(*this, P, mine, queries);
       }
-      std::vector<Query> queries;
-      queries.swap(s.queries);
       for (const Query& q : queries) {
-        Sink sink{raw, &P, &q, p, W, D, rank, kind};
+        RowSink sink{raw, &P, &q, p, W, D, rank, kind};
         solve(*this, p, q, s, sink);
       }
-      queries.swap(s.queries);
     }
   }
+}
 
+void World::bucketize(const std::vector<int64_t>& raw, std::vector<int64_t>& ops,
+                      std::vector<int64_t>& buckets) const {
   // Group by (kind, peer), keep the (parameter, query, cell, slab) order inside each group, cut
   // into buckets.
+  const int64_t W = op_cols();
+  const int D = max_ndim_;
   const int64_t n = static_cast<int64_t>(raw.size()) / W;
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), 0);
@@ -169,9 +163,8 @@ void World::plan_rank(int64_t rank, std::vector<int64_t>& ops, std::vector<int64
                         bool fresh = false;
                         const int64_t off = fill.place(nb, bucket_bytes_, fresh);
                         if (fresh) {
-                          buckets.insert(buckets.end(),
-                                         {group_kind, group_peer, fill.count - 1,
-                                          static_cast<int64_t>(ops.size()) / W, 0, 0, 0});
+                          buckets.insert(buckets.end(), {group_kind, group_peer, fill.count - 1,
+                                                         static_cast<int64_t>(ops.size()) / W, 0, 0, 0});
                         }
                         int64_t* b = &buckets[buckets.size() - kBucketCols];
                         const size_t at = ops.size();

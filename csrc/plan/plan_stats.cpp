@@ -64,43 +64,87 @@ class HolderSets {
   std::vector<int64_t> tmp_;
 };
 
+// Counts one pair's ops into WorldStats (fed every query of every parameter, per pair in order).
+struct StatsSink {
+  WorldStats& st;
+  const World& w;
+  const std::vector<int64_t>& sidx;
+  const std::vector<int64_t>& ridx;
+  std::vector<BucketFill>& dense_fill;
+  std::unordered_map<int64_t, BucketFill>& sparse_fill;
+  HolderSets& sets;
+  bool dense;
+  int64_t R;
+  const Param* P;
+  const Query* q;
+  void cell(const std::vector<Holder>& H, const int64_t* ids, int64_t m, int64_t bytes) {
+    sets.add(H, ids, m, sidx, bytes);
+    const double share = static_cast<double>(bytes) / static_cast<double>(m);
+    for (int64_t i = 0; i < m; ++i) st.even_bytes[sidx[H[ids[i]].rank]] += share;
+  }
+  void op(const Holder& h, const HBox&, const int64_t*, const int64_t* len) {
+    const int nd = P->ndim;
+    const int64_t isz = P->side[kInfer].itemsize;
+    const int64_t si = sidx[h.rank], ri = ridx[q->rank];
+    BucketFill& f = dense ? dense_fill[si * R + ri] : sparse_fill[si * R + ri];
+    int64_t vol = 1;
+    for (int d = 0; d < nd; ++d) vol *= len[d];
+    st.send_bytes[si] += vol * isz;
+    st.recv_bytes[ri] += vol * isz;
+    st.total_bytes += vol * isz;
+    split_for_buckets(len, nd, isz, w.bucket_bytes(), [&](const int64_t*, const int64_t* sub) {
+      int64_t v = 1;
+      for (int d = 0; d < nd; ++d) v *= sub[d];
+      bool fresh = false;
+      const int64_t before = f.fill;
+      const int64_t off = f.place(v * isz, w.bucket_bytes(), fresh);
+      st.wire_bytes += fresh ? (st.buckets++, v * isz) : off + v * isz - before;
+      ++st.ops;
+    });
+  }
+};
+
 }  // namespace
 
-WorldStats World::world_stats() const {
-  WorldStats st;
+void World::stats_ranks(WorldStats& st, std::vector<int64_t>& sidx, std::vector<int64_t>& ridx) const {
   // Dense indices of senders (training ranks of needed parameters) and receivers.
   int64_t max_rank = -1;
   for (int s = 0; s < 2; ++s) {
     if (!side_ranks_[s].empty()) max_rank = std::max(max_rank, side_ranks_[s].back());
   }
-  std::vector<int64_t> sidx(static_cast<size_t>(max_rank + 1), -1), ridx(sidx);
-  {
-    std::vector<uint8_t> needed(static_cast<size_t>(max_rank + 1), 0);
-    std::vector<uint8_t> def_needed(static_cast<size_t>(num_defs(kTrain)), 0);
-    for (const Param& P : params_) {
-      if (!P.side[kTrain].present || !P.side[kInfer].present) continue;
-      const SideParam& sp = P.side[kTrain];
-      for (int64_t i = 0; i < sp.piece_count; ++i) needed[piece(kTrain, sp, i, P.ndim)[0]] = 1;
-      for (int64_t k = 0; k < sp.rule_count; ++k) {
-        const Rule R = rule(kTrain, P, sp.rule_begin + k);
-        if (R.cells > 0) def_needed[R.table] = 1;
-      }
-    }
-    for (int64_t t = 0; t < num_defs(kTrain); ++t) {
-      if (!def_needed[t]) continue;
-      const RuleDef& d = def(kTrain, t);
-      for (int64_t j = 0; j < d.nranks; ++j) needed[pool(kTrain, d.ranks_begin + j)] = 1;
-    }
-    for (int64_t r : side_ranks_[kTrain]) {
-      if (!needed[r]) continue;
-      sidx[r] = static_cast<int64_t>(st.senders.size());
-      st.senders.push_back(r);
-    }
-    for (int64_t r : side_ranks_[kInfer]) {
-      ridx[r] = static_cast<int64_t>(st.receivers.size());
-      st.receivers.push_back(r);
+  sidx.assign(static_cast<size_t>(max_rank + 1), -1);
+  ridx = sidx;
+  std::vector<uint8_t> needed(static_cast<size_t>(max_rank + 1), 0);
+  std::vector<uint8_t> def_needed(static_cast<size_t>(num_defs(kTrain)), 0);
+  for (const Param& P : params_) {
+    if (!P.side[kTrain].present || !P.side[kInfer].present) continue;
+    const SideParam& sp = P.side[kTrain];
+    for (int64_t i = 0; i < sp.piece_count; ++i) needed[piece(kTrain, sp, i, P.ndim)[0]] = 1;
+    for (int64_t k = 0; k < sp.rule_count; ++k) {
+      const Rule R = rule(kTrain, P, sp.rule_begin + k);
+      if (R.cells > 0) def_needed[R.table] = 1;
     }
   }
+  for (int64_t t = 0; t < num_defs(kTrain); ++t) {
+    if (!def_needed[t]) continue;
+    const RuleDef& d = def(kTrain, t);
+    for (int64_t j = 0; j < d.nranks; ++j) needed[pool(kTrain, d.ranks_begin + j)] = 1;
+  }
+  for (int64_t r : side_ranks_[kTrain]) {
+    if (!needed[r]) continue;
+    sidx[r] = static_cast<int64_t>(st.senders.size());
+    st.senders.push_back(r);
+  }
+  for (int64_t r : side_ranks_[kInfer]) {
+    ridx[r] = static_cast<int64_t>(st.receivers.size());
+    st.receivers.push_back(r);
+  }
+}
+
+WorldStats World::world_stats() const {
+  WorldStats st;
+  std::vector<int64_t> sidx, ridx;
+  stats_ranks(st, sidx, ridx);
   const int64_t S = static_cast<int64_t>(st.senders.size());
   const int64_t R = static_cast<int64_t>(st.receivers.size());
   st.send_bytes.assign(S, 0);
@@ -110,53 +154,13 @@ WorldStats World::world_stats() const {
   std::vector<BucketFill> dense_fill(dense ? static_cast<size_t>(S * R) : 0);
   std::unordered_map<int64_t, BucketFill> sparse_fill;
   HolderSets sets;
-
-  struct Sink {
-    WorldStats& st;
-    const World& w;
-    const std::vector<int64_t>& sidx;
-    const std::vector<int64_t>& ridx;
-    std::vector<BucketFill>& dense_fill;
-    std::unordered_map<int64_t, BucketFill>& sparse_fill;
-    HolderSets& sets;
-    bool dense;
-    int64_t R;
-    const Param* P;
-    const Query* q;
-    void cell(const std::vector<Holder>& H, const int64_t* ids, int64_t m, int64_t bytes) {
-      sets.add(H, ids, m, sidx, bytes);
-      const double share = static_cast<double>(bytes) / static_cast<double>(m);
-      for (int64_t i = 0; i < m; ++i) st.even_bytes[sidx[H[ids[i]].rank]] += share;
-    }
-    void op(const Holder& h, const HBox&, const int64_t*, const int64_t* len) {
-      const int nd = P->ndim;
-      const int64_t isz = P->side[kInfer].itemsize;
-      const int64_t si = sidx[h.rank], ri = ridx[q->rank];
-      BucketFill& f = dense ? dense_fill[si * R + ri] : sparse_fill[si * R + ri];
-      int64_t vol = 1;
-      for (int d = 0; d < nd; ++d) vol *= len[d];
-      st.send_bytes[si] += vol * isz;
-      st.recv_bytes[ri] += vol * isz;
-      st.total_bytes += vol * isz;
-      split_for_buckets(len, nd, isz, w.bucket_bytes(), [&](const int64_t*, const int64_t* sub) {
-        int64_t v = 1;
-        for (int d = 0; d < nd; ++d) v *= sub[d];
-        bool fresh = false;
-        const int64_t before = f.fill;
-        const int64_t off = f.place(v * isz, w.bucket_bytes(), fresh);
-        st.wire_bytes += fresh ? (st.buckets++, v * isz) : off + v * isz - before;
-        ++st.ops;
-      });
-    }
-  };
-
   Scratch s(*this);
   Query q;
   for (int64_t p = 0; p < static_cast<int64_t>(params_.size()); ++p) {
     const Param& P = params_[p];
     if (!P.side[kTrain].present || !P.side[kInfer].present) continue;
     for_each_query(*this, p, q, [&](const Query& qq) {
-      Sink sink{st, *this, sidx, ridx, dense_fill, sparse_fill, sets, dense, R, &P, &qq};
+      StatsSink sink{st, *this, sidx, ridx, dense_fill, sparse_fill, sets, dense, R, &P, &qq};
       solve(*this, p, qq, s, sink);
     });
   }

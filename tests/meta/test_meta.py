@@ -1,6 +1,6 @@
-"""Tests for awex_fast.meta.core: construction checks, rule expansion against torch.chunk, the JSON
-format (round trips and every rejection), merging, validation, rank spaces, Awex conversion,
-and the size/speed of a Kimi-K2-sized layout."""
+"""Tests for awex_fast.meta (shards, validate, merge, ranks, codec): construction checks, rule
+expansion against torch.chunk, the JSON format (round trips and every rejection), merging,
+validation, rank spaces, Awex conversion, and the size/speed of a Kimi-K2-sized layout."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ planner's int64 limits raise `PlanError` naming the parameter instead of overflo
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 import time
 
@@ -13,7 +14,8 @@ import pytest
 
 from awex_fast.layouts import model_spec
 from awex_fast.layouts.synthetic import world_metas
-from awex_fast.meta.core import ParameterMeta, ShardMeta, _shard_key, merge_metas
+from awex_fast.meta import ParameterMeta, ShardMeta, merge_metas
+from awex_fast.meta.merge import _shard_key
 from awex_fast.plan import PlanError, build_plan
 
 # ---------------------------------------------------------------------------------------------
@@ -68,6 +70,23 @@ def test_packed_and_unpacked_explicit_lists_plan_identically():
         a, b = fast.for_rank(r), slow.for_rank(r)
         assert np.array_equal(a.ops, b.ops) and np.array_equal(a.buckets, b.buckets)
     assert fast.stats()["total_bytes"] == slow.stats()["total_bytes"]
+
+
+def test_a_plan_outlives_the_packed_metas_it_reads_in_place():
+    # The native World reads merge_metas' packed records in place; the plan holds them, so it
+    # plans the same after every metadata object is gone.
+    spec = model_spec("qwen2.5-0.5b")
+    train, infer = world_metas(spec, "tp2,dp2", "tp2,engines2")
+    et, ei = merge_metas(per_rank_lists(train)), merge_metas(per_rank_lists(infer))
+    ref = build_plan(unpacked(et), unpacked(ei), 1 << 20)
+    plan = build_plan(et, ei, 1 << 20)
+    del et, ei
+    gc.collect()
+    junk = [bytes(range(256)) * 64 for _ in range(2000)]  # reuse any freed memory
+    assert plan.digest() == ref.digest() and len(junk) == 2000
+    for r in ref.senders + ref.receivers:
+        assert np.array_equal(plan.for_rank(r).ops, ref.for_rank(r).ops)
+    assert plan.stats()["total_bytes"] == ref.stats()["total_bytes"]
 
 
 def test_a_stale_pack_is_ignored():

@@ -8,10 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 from test_plan import check_simulated
+from test_plan_property import hostile_worlds
 
-from awex_fast.meta import ParameterMeta, ShardMeta, ShardRule
-from awex_fast.plan.planner import DTYPES, PlanError, build_plan
+from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, ShardRule, validate_metas
+from awex_fast.plan.planner import (
+    _DTYPE_CODE,
+    _ITEMSIZES,
+    DTYPES,
+    PlanError,
+    _dtype_fallback,
+    _plan,
+    build_plan,
+)
 from awex_fast.transfer import boxcopy as afc
 
 S = ShardMeta
@@ -112,3 +122,32 @@ def test_supported_casts_plan_and_simulate():
             train = [_w((4, 4), src, shards=[S(2, (0, 0), (4, 4))])]
             infer = [_w((4, 4), dst, rules=[ShardRule((0, 1), (1,), (2,))])]
             check_simulated(build_plan(train, infer, bucket_bytes=16), train, infer)
+
+
+@settings(max_examples=400, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_worlds())
+def test_native_overlap_sweep_agrees_with_validate_metas(world):
+    # build_plan runs validate_metas only where the native sweep (World.first_overlap) finds an
+    # overlap, so the sweep must find every overlap validate_metas does (and, with one entry per
+    # name, nothing else): checked against it as an independent oracle on hostile layouts.
+    train, infer, _, _ = world
+    try:
+        native = _plan.World(train, infer, 1 << 20, _DTYPE_CODE, _ITEMSIZES, _dtype_fallback)
+    except _plan.PlanError:
+        return  # refused piece by piece before any overlap check
+    for side, metas in ((0, train), (1, infer)):
+        try:
+            validate_metas(metas)
+            overlap = False
+        except MetadataError as exc:
+            assert "overlapping" in str(exc), exc
+            overlap = True
+        assert (native.first_overlap(side) >= 0) == overlap, (side, metas)
+
+
+def test_a_piece_reported_by_two_entries_of_one_name_is_one_piece():
+    # Two ranks may report the same piece (merge_metas keeps one): the native sweep counts it
+    # twice, validate_metas (after the merge) finds nothing, and the plan goes ahead as before.
+    train = [_w((4,), shards=[S(2, (0,), (4,))]), _w((4,), shards=[S(2, (0,), (4,))])]
+    infer = [_w((4,), shards=[S(0, (0,), (4,))])]
+    check_simulated(build_plan(train, infer, bucket_bytes=16), train, infer)
