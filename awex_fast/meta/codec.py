@@ -4,7 +4,7 @@ form of it that travels inside JSON values (`metas_to_b64` / `metas_from_b64`).
 Compact by design: a top-level rule table that parameters reference by index (70k MoE tensors
 share a handful of rules), rank lists with ``[start, stop, step]`` runs, empty fields left out.
 Unknown formats, versions and fields, wrong types and non-UTF-8 input raise `MetadataError`.
-Never pickle. `awex_fast.meta.core` re-exports these names.
+Never pickle. `awex_fast.meta` (and `awex_fast`) export these names.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ CONFIG = {
 }
 TRAIN = 2
 # (TP size, serving dtype) per engine. One dtype for all engines: the inference side's merged
-# metadata has one dtype per parameter (awex_fast.meta.core.merge_metas refuses a mix).
+# metadata has one dtype per parameter (awex_fast.meta.merge_metas refuses a mix).
 ENGINES = [(2, "float32"), (1, "float32")]
 JOBS = [TRAIN] + [tp for tp, _ in ENGINES]
 SENTINEL = -7.0  # what the inference tensors hold before the first update lands
