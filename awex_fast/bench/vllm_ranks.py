@@ -103,8 +103,7 @@ def raw_main(spec: dict) -> None:
 
 def _pair_bytes(engine: Any) -> dict[int, int]:
     """Bytes awex_fast's plan sends from this trainer rank to each worker (transfer rank)."""
-    ex = engine.adapter._executor
-    return {int(peer): sum(m.nbytes for m in msgs) for peer, msgs in ex._sends.items()}
+    return engine.adapter.executor.send_bytes_by_peer()
 
 
 class _TrainerRank:

@@ -190,6 +190,12 @@ class AdapterBase(abc.ABC):
                 "send_bytes": rank_plan.send_bytes, "recv_bytes": rank_plan.recv_bytes,
                 "plan_seconds": time.perf_counter() - t0}
 
+    @property
+    def executor(self) -> Executor:
+        """The executor of the current transfer group (raises until one is formed, or after a
+        failed update tore it down)."""
+        return self._require_executor()
+
     def _require_executor(self) -> Executor:
         if self._executor is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: no transfer group; "

@@ -243,6 +243,10 @@ class Executor:
         """Every other rank this rank exchanges messages with."""
         return sorted({*self._exchange.sends, *self._exchange.recvs})
 
+    def send_bytes_by_peer(self) -> dict[int, int]:
+        """Bytes this rank sends each remote peer per update (its plan's messages)."""
+        return {peer: sum(m.nbytes for m in msgs) for peer, msgs in self._exchange.sends.items()}
+
     def _settings(self) -> dict:
         return {
             "digest": self.digest,
