@@ -203,16 +203,18 @@ class Exchange:
             self.bounded(lambda p=pending: p.wait(wait_s), peer, "send", version,
                          self._ack_tag(peer, "recv"), None)
 
-    def hear_receivers(self, version: int) -> None:
-        """Sender side: wait until every receiver says ``version`` landed; a receiver that says it
-        did not (its checksums disagreed, it failed) raises TransferError naming it."""
+    def hear_receivers(self, version: int, timeout_s: float) -> None:
+        """Sender side: wait (at most ``timeout_s`` per receiver) until every receiver says
+        ``version`` landed; a receiver that says it did not (its checksums disagreed, it failed)
+        raises TransferError naming it."""
         posted = []
         for peer in self.sends:
             status = torch.zeros(2, dtype=torch.int64, device=self.device)
             posted.append((peer, status, self.post("recv", status, peer, self._ack_tag(peer, "send"), version,
                                                    None)))
         for peer, status, pending in posted:
-            self.wait(pending, peer, "recv", version, self._ack_tag(peer, "send"), None)
+            self.bounded(lambda p=pending: p.wait(timeout_s), peer, "recv", version,
+                         self._ack_tag(peer, "send"), None)
             self.group.join_current_stream()
             got_version, landed = status.cpu().tolist()
             if got_version != version or landed != 1:

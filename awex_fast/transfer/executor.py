@@ -323,7 +323,9 @@ class Executor:
             raise
         try:  # every receiver tells its senders the round landed, so no sender reports a false success
             self._exchange.tell_senders(version, landed=True)
-            self._exchange.hear_receivers(version)
+            # a receiver may spend a whole timeout finding that another of its senders is dead
+            # before it can answer: listen that long and then some
+            self._exchange.hear_receivers(version, 2 * self.timeout_s + 5.0)
         except TransferError:
             self.group.abort()
             raise
