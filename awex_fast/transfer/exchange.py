@@ -120,6 +120,13 @@ class Exchange:
 
     # --- bounded transport steps ------------------------------------------------------------------
 
+    def params_of(self, role: str, peer: int, tag: int) -> tuple[str, ...]:
+        """The parameters data message ``tag`` of the (``role``, ``peer``) pair carries."""
+        msgs = (self.sends if role == "send" else self.recvs).get(peer, [])
+        if not 0 <= tag < len(msgs):
+            return ()
+        return tuple(dict.fromkeys(op.name for op in msgs[tag].ops))
+
     def post(
         self, role: str, wire: torch.Tensor, peer: int, tag: int, version: int, bucket: int | None
     ) -> Pending:
@@ -134,6 +141,7 @@ class Exchange:
                 peer=peer,
                 bucket=bucket,
                 version=version,
+                params=self.params_of(role, peer, tag) if bucket is not None else (),
             ) from exc
 
     def wait(
@@ -157,6 +165,7 @@ class Exchange:
                 peer=peer,
                 bucket=bucket,
                 version=version,
+                params=self.params_of(role, peer, tag) if bucket is not None else (),
             ) from exc
 
     # --- verify ---------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ Contract (who calls what, in which order, what a failure leaves behind):
 * ``verify=True``: both sides compute a native checksum of every message; after the last
   message each sender sends its peer the list, and the receiver compares before it takes the
   version (zero-copy stays on).
+* A failing rank records its error in the group's rendezvous store (the first one recorded
+  wins), and every other failing rank appends that first failure to its own error, so a rank
+  whose peer merely aborted still learns which rank failed first and why (best effort: the
+  store lives in transfer rank 0's process).
 * The round's outcome: after its last message every receiver sends each of its senders
   ``[version, landed]`` (one 16-byte message per pair), and a sender's `run` returns only once
   all its receivers said the version landed. A receiver that fails (a checksum mismatch, a dead
@@ -297,6 +301,10 @@ class Executor:
 
     # --- one update -----------------------------------------------------------------------------
 
+    def _first_failure(self, version: int, exc: TransferError) -> str | None:
+        """Another rank's earlier failure of ``version``, recorded in the group's store."""
+        return _record_failure(self.group.store, self.rank, version, exc)
+
     def _revalidate(self) -> None:
         if self._storage_ptrs() != self._ptrs:  # a parameter was re-allocated: rebuild programs
             self._ptrs = self._storage_ptrs()
@@ -315,20 +323,26 @@ class Executor:
             sent, received = self.strategy.run(version)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-        except TransferError:
+        except TransferError as exc:
+            first = self._first_failure(version, exc)
             # best effort: senders still listening learn the version did not land here
             with contextlib.suppress(TransferError):
                 self._exchange.tell_senders(version, landed=False, timeout_s=min(self.timeout_s, 5.0))
             self.group.abort()
-            raise
+            if first is None:
+                raise
+            raise exc.with_detail(f"{exc.detail} [the round's first failure: {first}]") from exc
         try:  # every receiver tells its senders the round landed, so no sender reports a false success
             self._exchange.tell_senders(version, landed=True)
             # a receiver may spend a whole timeout finding that another of its senders is dead
             # before it can answer: listen that long and then some
             self._exchange.hear_receivers(version, 2 * self.timeout_s + 5.0)
-        except TransferError:
+        except TransferError as exc:
+            first = self._first_failure(version, exc)
             self.group.abort()
-            raise
+            if first is None:
+                raise
+            raise exc.with_detail(f"{exc.detail} [the round's first failure: {first}]") from exc
         self.version = version
         return {
             "version": version,
@@ -338,6 +352,26 @@ class Executor:
             "seconds": time.perf_counter() - t0,
             "staging_bytes": self.staging_bytes,
         }
+
+
+def _record_failure(store: object, rank: int, version: int, exc: TransferError) -> str | None:
+    """Record ``exc`` as this rank's failure of ``version`` in the group's rendezvous store (the
+    first rank to record wins) and return the first failure another rank recorded, if any.
+
+    Why: a rank only sees its own peers; when rank X dies, a rank that never talked to X learns
+    only that its own peer aborted. The first failure recorded names X (and what failed there).
+    Best effort: the store lives in transfer rank 0's process, and a dead rank 0 takes it along.
+    """
+    key = f"round_failure/v{version}"
+    try:
+        if store.add(f"{key}/count", 1) == 1:  # type: ignore[attr-defined]
+            store.set(key, f"rank {rank}: {exc}")  # type: ignore[attr-defined]
+            return None
+        store.wait([key], timedelta(2.0))  # type: ignore[attr-defined]
+        first = store.get(key).decode()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the store went away with its host: nothing to add
+        return None
+    return None if first.startswith(f"rank {rank}: ") else first
 
 
 def check_local_tensors(

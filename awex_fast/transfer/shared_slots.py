@@ -135,12 +135,14 @@ class SharedSlotMessages:
         """The runner's failure at ``step`` as a TransferError naming the peer and the message."""
         peer, prep = step
         m = prep.msg
+        params = tuple(dict.fromkeys(op.name for op in m.ops))
         if status == _MISMATCH:
-            raise TransferError(detail, peer=peer, bucket=m.bucket, version=version)
+            raise TransferError(detail, peer=peer, bucket=m.bucket, version=version, params=params)
         verb, direction = ("sending", "to") if role == "send" else ("receiving", "from")
         raise TransferError(
             f"rank {self.exchange.rank} failed {verb} message {m.tag} ({direction} its peer): {detail}",
             peer=peer,
             bucket=m.bucket,
             version=version,
+            params=params,
         )

@@ -11,13 +11,15 @@ AReaL's custom process group play).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 
 class TransferError(RuntimeError):
-    """A transfer failed or timed out. Names the peer, the bucket and the version when known."""
+    """A transfer failed or timed out. Names the peer, the bucket, the parameters the message
+    carried and the version when known; ``detail`` is the message without them."""
 
     def __init__(
         self,
@@ -26,16 +28,26 @@ class TransferError(RuntimeError):
         peer: int | None = None,
         bucket: int | None = None,
         version: int | None = None,
+        params: Sequence[str] = (),
     ) -> None:
         parts = [message]
         if peer is not None:
             parts.append(f"peer={peer}")
         if bucket is not None:
             parts.append(f"bucket={bucket}")
+        if params:
+            more = f" (+{len(params) - 3} more)" if len(params) > 3 else ""
+            parts.append(f"parameters={', '.join(params[:3])}{more}")
         if version is not None:
             parts.append(f"version={version}")
         super().__init__(" ".join(parts) if len(parts) == 1 else f"{message} ({', '.join(parts[1:])})")
-        self.peer, self.bucket, self.version = peer, bucket, version
+        self.detail = message
+        self.peer, self.bucket, self.version, self.params = peer, bucket, version, tuple(params)
+
+    def with_detail(self, detail: str) -> TransferError:
+        """The same error (peer, bucket, parameters, version) with ``detail`` as its message."""
+        return TransferError(detail, peer=self.peer, bucket=self.bucket, version=self.version,
+                             params=self.params)
 
 
 class Pending(Protocol):

@@ -41,7 +41,7 @@ class _CorruptingGroup:
         return _FlipAfterArrival(pending, tensor) if tag == 0 else pending
 
 
-def _round_worker(rank: int, world_size: int, port: int, corrupt: bool) -> dict:
+def _round_worker(rank: int, world_size: int, port: int, corrupt: bool, leaver: int | None = None) -> dict:
     n_infer = 1
     train, infer = layout(n_infer, world_size - n_infer, "float32", "bfloat16", 1)
     plan = build_plan(train, infer, bucket_bytes=1 << 20)
@@ -54,6 +54,9 @@ def _round_worker(rank: int, world_size: int, port: int, corrupt: bool) -> dict:
     ex = Executor(wire_buckets(plan.for_rank(rank)), tensors, group, digest=plan.digest(), verify=True)
     ex.handshake()
     out: dict = {"error": None, "peer": None}
+    if rank == leaver:  # drops out of the round: its connections close, as a dead process's do
+        group.abort()
+        return {"left": True}
     try:
         ex.run(1)
     except TransferError as exc:
@@ -85,3 +88,15 @@ def test_a_healthy_round_lands_everywhere_with_the_outcome_exchanged():
     assert [o["error"] for o in out] == [None] * 3, out
     assert [o["version"] for o in out] == [1, 1, 1]
     assert out[0]["bad"] == []
+
+
+def test_a_rank_that_never_talked_to_the_failed_one_still_names_it():
+    # Rank 2 (a sender) drops out. Only receiver 0 talks to it; sender 1 talks to rank 0 alone,
+    # yet its error names rank 2 through the round's first failure, recorded by rank 0.
+    out = run_world(_round_worker, 3, free_port(), False, 2, backend=None, timeout=120)
+    receiver, sender = out[0], out[1]
+    assert receiver["version"] is None and receiver["peer"] == 2, receiver
+    assert "parameters=" in receiver["error"] and "version=1" in receiver["error"], receiver
+    assert sender["version"] is None and sender["peer"] == 0, sender
+    assert "the round's first failure: rank 0:" in sender["error"], sender
+    assert "peer=2" in sender["error"].split("the round's first failure")[1], sender
