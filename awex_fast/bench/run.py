@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of latency per method (matplotlib)")
     p.add_argument("--trace", default=None, help="write the executor's per-bucket trace (JSON)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more sync per rank: CPU seconds by category (pack/unpack, "
+                        "transport waits, Python control, ...)")
     p.add_argument("--timeout", type=float, default=600.0)
     return p
 
@@ -179,6 +182,7 @@ def summarize(results: list[dict], spec: dict) -> dict:
         "ratio_spread": spread,
         "verified": verified,
         "staging_bytes": max(r.get("staging_bytes", 0) for r in results),
+        "profile": [{"rank": r["rank"], **r["profile"]} for r in results if r.get("profile")],
     }
 
 
@@ -207,6 +211,28 @@ def print_table(summary: dict) -> None:
         f"verified bit-exact: {summary['verified']}  ratios: "
         + ", ".join(f"{k}={v:.2f}" for k, v in summary["ratios"].items())
     )
+
+
+def print_profile(profile: list[dict], n_infer: int) -> None:
+    """`--profile`: one more sync per method under cProfile, CPU seconds by category, summed over
+    the ranks of each side (`awex_fast.bench.profile`), then each side's costliest functions."""
+    from awex_fast.bench.profile import CATEGORIES
+
+    methods = [m for m in ("awex_fast", "raw", "raw_cast") if m in profile[0]]
+    print("profile (one more sync each, cProfile; seconds summed over the ranks of a side)")
+    head = " ".join(f"{c:>14}" for c in (*CATEGORIES, "cpu_s", "wall_s"))
+    print(f"{'method':10} {'side':9} {head}")
+    for method in methods:
+        for side, ranks in (("inference", [p for p in profile if p["rank"] < n_infer]),
+                            ("training", [p for p in profile if p["rank"] >= n_infer])):
+            cols = [sum(p[method][c] for p in ranks) for c in CATEGORIES]
+            cols += [sum(p[method]["cpu_s"] for p in ranks), max(p[method]["wall_s"] for p in ranks)]
+            print(f"{method:10} {side:9} " + " ".join(f"{v:14.4f}" for v in cols))
+    for side, rank in (("inference", 0), ("training", n_infer)):
+        top = next(p for p in profile if p["rank"] == rank)["awex_fast"]["top"]
+        print(f"awex_fast, rank {rank} ({side}): costliest functions by own time")
+        for name, seconds in top:
+            print(f"  {seconds * 1e3:9.2f} ms  {name[-100:]}")
 
 
 def plot(summary: dict, path: str) -> None:
@@ -281,6 +307,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         "n_infer": n_infer,
         "timeout": args.timeout,
         "trace": bool(args.trace),
+        "profile": bool(args.profile),
         "message_bytes": args.message_kb << 10 if args.message_kb else None,
         "solo_bytes": args.solo_kb << 10 if args.solo_kb else None,
         "copy_threads": args.copy_threads,
@@ -297,6 +324,8 @@ def bench_main(argv: list[str] | None = None) -> int:
         results = [json.loads((tmp / f"result{r}.json").read_text()) for r in range(spec["world"])]
     summary = summarize(results, spec)
     print_table(summary)
+    if summary["profile"]:
+        print_profile(summary["profile"], spec["n_infer"])
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     if args.trace:

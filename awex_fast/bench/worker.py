@@ -314,13 +314,33 @@ def _timed_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier) -> tu
     return times, cpu
 
 
+def _profile_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier) -> dict[str, dict]:
+    """One more, untimed, round of awex_fast and of each raw bound under cProfile: seconds per
+    category (`awex_fast.bench.profile`) and the functions with the most own time."""
+    from awex_fast.bench.profile import profile_call, top_functions
+
+    out = {}
+    for method in [m for m in ("awex_fast", "raw", "raw_cast") if m in spec["methods"]]:
+        fn, _, before = runners[method]
+        if before is not None:
+            before()
+        barrier()
+        out[method] = profile_call(fn)
+        if before is not None:
+            before()
+        barrier()
+        out[method]["top"] = top_functions(fn, 8)
+    return out
+
+
 def _verify_rounds(spec: dict, runners: dict[str, tuple], barrier: Barrier, train: list, infer: list,
                    rank: int, tensors: dict[str, torch.Tensor]) -> bool:
     """One more, untimed, round of each method that writes the inference weights, each checked on
     the inference ranks before the next one overwrites them."""
     is_train = rank >= spec["n_infer"]
     # the training weights are negated before every awex_fast round, this one included
-    syncs = spec["iters"] + 2 if "awex_fast" in spec["methods"] else 0
+    profiled = 2 if spec.get("profile") else 0  # the two profiled awex_fast rounds
+    syncs = spec["iters"] + 2 + profiled if "awex_fast" in spec["methods"] else 0
     expected = {"awex_fast": syncs, "naive": syncs, "awex": 0}  # Awex resends its iteration-0 copy
     verified = True
     for method in [m for m in ("awex_fast", "naive", "awex") if m in spec["methods"]]:
@@ -357,6 +377,7 @@ def main(spec_path: str) -> int:
     ex.handshake()
     runners = _runners(spec, parent, rank, ex, rp, group, train, infer, tensors, dev)
     times, cpu = _timed_rounds(spec, runners, barrier)
+    profile = _profile_rounds(spec, runners, barrier) if spec.get("profile") else {}
     verified = _verify_rounds(spec, runners, barrier, train, infer, rank, tensors)
     barrier()
     group.close()
@@ -367,6 +388,7 @@ def main(spec_path: str) -> int:
         "bytes": {m: _global_bytes(parent, m, runners[m][1], rank, n_infer, world) for m in spec["methods"]},
         "verified": verified, "plan": plan.stats() if rank == 0 else {}, "plan_rank_s": plan_s,
         "staging_bytes": ex.staging_bytes, "trace": [vars(t) for t in ex.trace] if spec["trace"] else [],
+        "profile": profile,
     }
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
