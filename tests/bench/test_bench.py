@@ -25,6 +25,27 @@ def test_bench_runs_every_method_and_verifies(tmp_path, capsys):
     assert "verified bit-exact: True" in capsys.readouterr().out
 
 
+def test_profile_splits_each_ranks_sync_by_category(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--model", "tiny-dense", "--iters", "1", "--methods", "awex_fast,raw", "--profile",
+            "--json", str(out)]
+    assert bench_main(args) == 0
+    summary = json.loads(out.read_text())
+    assert summary["verified"] is True  # the profiled rounds are counted in the check
+    from awex_fast.bench.profile import CATEGORIES
+
+    assert len(summary["profile"]) == 4  # every rank of fsdp=2 -> one tp2 engine
+    for rank in summary["profile"]:
+        for method in ("awex_fast", "raw"):
+            prof = rank[method]
+            assert all(prof[c] >= 0 for c in CATEGORIES) and prof["wall_s"] > 0
+            assert sum(prof[c] for c in CATEGORIES) > 0  # the profile saw the sync's calls
+            assert prof["top"], rank
+    assert sum(r["awex_fast"]["transport_wait"] + r["awex_fast"]["transport_post"]
+               for r in summary["profile"]) > 0  # gloo's calls are classified as transport
+    assert "costliest functions" in capsys.readouterr().out
+
+
 def test_bench_2d_layout_with_checksums(tmp_path):
     out = tmp_path / "bench.json"
     args = [
