@@ -61,29 +61,13 @@ void overlapping_queries(const World& w, const Param& P, const std::vector<Query
       }
       if (!hit) continue;
       Query q;
-      q.index = i;
-      q.rank = r[0];
-      q.reps = explicit_reps(w, kInfer, inf, i, nd);
-      std::copy(r + 1, r + 1 + nd, q.off);
-      std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
-      std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+      load_piece(w, kInfer, inf, i, r, nd, q);
       out.push_back(q);
     }
-    for (int64_t k = 0; k < inf.rule_count; ++k) {
-      const Rule R = w.rule(kInfer, P, inf.rule_begin + k);
-      for_rule_cells(P, R, b.off, b.len, [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
-        Query q;
-        std::copy(off, off + nd, q.off);
-        std::copy(ext, ext + nd, q.len);
-        for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
-        q.reps = R.replicas;
-        for (int64_t j = 0; j < R.replicas; ++j) {
-          q.index = R.piece_base + o * R.replicas + j;
-          q.rank = w.pool(kInfer, R.ranks_begin + j * R.total + c);
-          out.push_back(q);
-        }
-      });
-    }
+    Query q;
+    for (int64_t k = 0; k < inf.rule_count; ++k)
+      for_rule_queries(w, P, w.rule(kInfer, P, inf.rule_begin + k), b.off, b.len, q,
+                       [&](const Query& cell) { out.push_back(cell); });
   }
   sort_unique(out);
 }

@@ -153,11 +153,7 @@ void own_pieces(const World& w, int64_t p, int s, int64_t rank, const Positions&
   for (int64_t i = 0; i < sp.piece_count; ++i) {
     const int64_t* r = w.piece(s, sp, i, nd);
     if (r[0] != rank) continue;
-    q.index = i;
-    q.reps = explicit_reps(w, s, sp, i, nd);
-    std::copy(r + 1, r + 1 + nd, q.off);
-    std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
-    std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+    load_piece(w, s, sp, i, r, nd, q);
     out.push_back(q);
   }
   for (int64_t k = 0; k < sp.rule_count; ++k) {

@@ -260,6 +260,36 @@ void solve(const World& w, int64_t p, const Query& q, Scratch& s, Sink& sink) {
   }
 }
 
+// q as explicit piece i of side s (row r): its index, rank, replica count and box.
+inline void load_piece(const World& w, int s, const SideParam& sp, int64_t i, const int64_t* r, int nd,
+                       Query& q) {
+  q.index = i;
+  q.rank = r[0];
+  q.reps = explicit_reps(w, s, sp, i, nd);
+  std::copy(r + 1, r + 1 + nd, q.off);
+  std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
+  std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+}
+
+// f(q) for every inference piece that rule R makes in its cells meeting the box (lo, len),
+// replicas of one cell in expanded-index order.
+template <class F>
+void for_rule_queries(const World& w, const Param& P, const Rule& R, const int64_t* lo, const int64_t* len,
+                      Query& q, F&& f) {
+  const int nd = P.ndim;
+  for_rule_cells(P, R, lo, len, [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
+    std::copy(off, off + nd, q.off);
+    std::copy(ext, ext + nd, q.len);
+    for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
+    q.reps = R.replicas;
+    for (int64_t j = 0; j < R.replicas; ++j) {
+      q.index = R.piece_base + o * R.replicas + j;
+      q.rank = w.pool(kInfer, R.ranks_begin + j * R.total + c);
+      f(q);
+    }
+  });
+}
+
 // Every inference piece of p, in expanded-index order.
 template <class F>
 void for_each_query(const World& w, int64_t p, Query& q, F&& f) {
@@ -267,30 +297,12 @@ void for_each_query(const World& w, int64_t p, Query& q, F&& f) {
   const SideParam& sp = P.side[kInfer];
   const int nd = P.ndim;
   for (int64_t i = 0; i < sp.piece_count; ++i) {
-    const int64_t* r = w.piece(kInfer, sp, i, nd);
-    q.index = i;
-    q.rank = r[0];
-    q.reps = explicit_reps(w, kInfer, sp, i, nd);
-    std::copy(r + 1, r + 1 + nd, q.off);
-    std::copy(r + 1 + nd, r + 1 + 2 * nd, q.len);
-    std::copy(r + 1 + 2 * nd, r + 1 + 3 * nd, q.loc);
+    load_piece(w, kInfer, sp, i, w.piece(kInfer, sp, i, nd), nd, q);
     f(q);
   }
   int64_t zero[kMaxDims] = {};
-  for (int64_t k = 0; k < sp.rule_count; ++k) {
-    const Rule R = w.rule(kInfer, P, sp.rule_begin + k);
-    for_rule_cells(P, R, zero, P.shape, [&](int64_t c, int64_t o, const int64_t* off, const int64_t* ext) {
-      std::copy(off, off + nd, q.off);
-      std::copy(ext, ext + nd, q.len);
-      for (int d = 0; d < nd; ++d) q.loc[d] = R.has_loc ? R.loc[d] : 0;
-      q.reps = R.replicas;
-      for (int64_t j = 0; j < R.replicas; ++j) {
-        q.index = R.piece_base + o * R.replicas + j;
-        q.rank = w.pool(kInfer, R.ranks_begin + j * R.total + c);
-        f(q);
-      }
-    });
-  }
+  for (int64_t k = 0; k < sp.rule_count; ++k)
+    for_rule_queries(w, P, w.rule(kInfer, P, sp.rule_begin + k), zero, P.shape, q, f);
 }
 
 // Greedy bucket filling for one (sender, receiver) pair.
