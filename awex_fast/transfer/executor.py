@@ -301,9 +301,19 @@ class Executor:
 
     # --- one update -----------------------------------------------------------------------------
 
-    def _first_failure(self, version: int, exc: TransferError) -> str | None:
-        """Another rank's earlier failure of ``version``, recorded in the group's store."""
-        return _record_failure(self.group.store, self.rank, version, exc)
+    def _failed(self, version: int, exc: TransferError, *, tell_senders: bool) -> TransferError:
+        """Wind down a failed round and return the error to raise: record ``exc`` in the group's
+        store (or learn the round's first failure from it), tell the senders still listening that
+        ``version`` did not land here (``tell_senders``: before the outcome exchange; best
+        effort), and abort the group."""
+        first = _record_failure(self.group.store, self.rank, version, exc)
+        if tell_senders:
+            with contextlib.suppress(TransferError):
+                self._exchange.tell_senders(version, landed=False, timeout_s=min(self.timeout_s, 5.0))
+        self.group.abort()
+        if first is None:
+            return exc
+        return exc.with_detail(f"{exc.detail} [the round's first failure: {first}]")
 
     def _revalidate(self) -> None:
         if self._storage_ptrs() != self._ptrs:  # a parameter was re-allocated: rebuild programs
@@ -324,25 +334,20 @@ class Executor:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         except TransferError as exc:
-            first = self._first_failure(version, exc)
-            # best effort: senders still listening learn the version did not land here
-            with contextlib.suppress(TransferError):
-                self._exchange.tell_senders(version, landed=False, timeout_s=min(self.timeout_s, 5.0))
-            self.group.abort()
-            if first is None:
+            err = self._failed(version, exc, tell_senders=True)
+            if err is exc:
                 raise
-            raise exc.with_detail(f"{exc.detail} [the round's first failure: {first}]") from exc
+            raise err from exc
         try:  # every receiver tells its senders the round landed, so no sender reports a false success
             self._exchange.tell_senders(version, landed=True)
             # a receiver may spend a whole timeout finding that another of its senders is dead
             # before it can answer: listen that long and then some
             self._exchange.hear_receivers(version, 2 * self.timeout_s + 5.0)
         except TransferError as exc:
-            first = self._first_failure(version, exc)
-            self.group.abort()
-            if first is None:
+            err = self._failed(version, exc, tell_senders=False)
+            if err is exc:
                 raise
-            raise exc.with_detail(f"{exc.detail} [the round's first failure: {first}]") from exc
+            raise err from exc
         self.version = version
         return {
             "version": version,
