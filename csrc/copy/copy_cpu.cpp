@@ -102,43 +102,46 @@ void run_raw(const Box& b, const char* s, char* d, int64_t n, int64_t ss, int64_
 // them, and cloned for AVX-512 / AVX2 with a run-time pick (AWEX_CPU_CLONES; the wheel's
 // baseline is SSE2, where the f32 -> bf16 loop reaches half of memory bandwidth). Plain integer
 // arithmetic, not VCVTNEPS2BF16: that instruction flushes denormals, torch's cast does not.
-// Blocks of 64 elements, each preceded by a prefetch kPrefetchBytes ahead of the source.
+// Blocks of 64 elements, each preceded (when `prefetch`) by a prefetch kPrefetchBytes ahead of
+// the source; a short row of a strided box passes false, since its walker prefetches instead.
 inline uint16_t bf16_bits_rne(uint32_t u) { return f32_to_bf16(f32_from_bits(u)); }
 
 AWEX_CPU_CLONES
-void f32_to_bf16_contig(const uint32_t* __restrict sp, uint16_t* __restrict dp, int64_t n) {
+void f32_to_bf16_contig(const uint32_t* __restrict sp, uint16_t* __restrict dp, int64_t n, bool prefetch) {
   constexpr int64_t kBlock = 64, kAhead = kPrefetchBytes / 4;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    for (int64_t k = 0; k < kBlock; k += 16) prefetch_l2(sp + i + kAhead + k);
+    if (prefetch)
+      for (int64_t k = 0; k < kBlock; k += 16) prefetch_l2(sp + i + kAhead + k);
     for (int64_t j = 0; j < kBlock; ++j) dp[i + j] = bf16_bits_rne(sp[i + j]);
   }
   for (; i < n; ++i) dp[i] = bf16_bits_rne(sp[i]);
 }
 
 AWEX_CPU_CLONES
-void bf16_to_f32_contig(const uint16_t* __restrict sp, uint32_t* __restrict dp, int64_t n) {
+void bf16_to_f32_contig(const uint16_t* __restrict sp, uint32_t* __restrict dp, int64_t n, bool prefetch) {
   constexpr int64_t kBlock = 64, kAhead = kPrefetchBytes / 2;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    for (int64_t k = 0; k < kBlock; k += 32) prefetch_l2(sp + i + kAhead + k);
+    if (prefetch)
+      for (int64_t k = 0; k < kBlock; k += 32) prefetch_l2(sp + i + kAhead + k);
     for (int64_t j = 0; j < kBlock; ++j) dp[i + j] = static_cast<uint32_t>(sp[i + j]) << 16;
   }
   for (; i < n; ++i) dp[i] = static_cast<uint32_t>(sp[i]) << 16;
 }
 
 template <int S, int D>
-void cast_run(const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
+void cast_run(const char* s, char* d, int64_t n, int64_t ss, int64_t ds, bool prefetch) {
   constexpr int sb = S == kF32 ? 4 : 2, db = D == kF32 ? 4 : 2;
   if constexpr (S == kF32 && D == kBF16) {
     if (ss == 1 && ds == 1) {
-      f32_to_bf16_contig(reinterpret_cast<const uint32_t*>(s), reinterpret_cast<uint16_t*>(d), n);
+      f32_to_bf16_contig(reinterpret_cast<const uint32_t*>(s), reinterpret_cast<uint16_t*>(d), n, prefetch);
       return;
     }
   }
   if constexpr (S == kBF16 && D == kF32) {
     if (ss == 1 && ds == 1) {
-      bf16_to_f32_contig(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint32_t*>(d), n);
+      bf16_to_f32_contig(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint32_t*>(d), n, prefetch);
       return;
     }
   }
@@ -150,7 +153,7 @@ void cast_run(const char* s, char* d, int64_t n, int64_t ss, int64_t ds) {
   }
 }
 
-using RunFn = void (*)(const char*, char*, int64_t, int64_t, int64_t);
+using RunFn = void (*)(const char*, char*, int64_t, int64_t, int64_t, bool);
 
 RunFn cast_fn(int s, int d) {
   static const RunFn table[4][4] = {
@@ -162,39 +165,92 @@ RunFn cast_fn(int s, int d) {
   return table[s][d];
 }
 
+// Walks the innermost runs of a box over elements [e, end) in row-major order: each step is one
+// row of the innermost dimension, or the part of it inside the range.
+class RunWalker {
+ public:
+  RunWalker(const Box& b, int64_t e0, int64_t e1) : b_(b), last_(b.ndim - 1), e_(e0), end_(e1) {
+    int64_t row = e0 / b.shape[last_];
+    col_ = e0 % b.shape[last_];
+    for (int d = last_ - 1; d >= 0; --d) {
+      idx_[d] = row % b.shape[d];
+      row /= b.shape[d];
+    }
+    for (int d = 0; d < last_; ++d) {
+      soff_ += idx_[d] * b.src_stride[d];
+      doff_ += idx_[d] * b.dst_stride[d];
+    }
+  }
+  bool done() const { return e_ >= end_; }
+  int64_t elements() const { return std::min(b_.shape[last_] - col_, end_ - e_); }
+  const char* src() const { return b_.src + (soff_ + col_ * b_.src_stride[last_]) * b_.src_size; }
+  char* dst() const { return b_.dst + (doff_ + col_ * b_.dst_stride[last_]) * b_.dst_size; }
+
+  void next() {  // past the current run: an odometer over the outer dims
+    e_ += elements();
+    col_ = 0;
+    for (int d = last_ - 1; d >= 0; --d) {
+      soff_ += b_.src_stride[d];
+      doff_ += b_.dst_stride[d];
+      if (++idx_[d] < b_.shape[d]) break;
+      soff_ -= idx_[d] * b_.src_stride[d];
+      doff_ -= idx_[d] * b_.dst_stride[d];
+      idx_[d] = 0;
+    }
+  }
+
+ private:
+  const Box& b_;
+  const int last_;
+  int64_t idx_[kMaxDims] = {0};
+  int64_t soff_ = 0, doff_ = 0, col_ = 0, e_, end_;
+};
+
+// Prefetches the source rows of a strided box as one stream, kPrefetchBytes ahead of the row
+// being copied and across row ends. Per-row prefetching would run past every short row's end
+// into bytes this box never reads (the other receiver's half of a row-parallel weight) and
+// would start each row cold.
+class RowPrefetcher {
+ public:
+  RowPrefetcher(const Box& b, int64_t e0, int64_t e1) : ahead_(b, e0, e1), unit_(b.src_size) {}
+
+  // Prefetch the stream up to byte `upto` (counted from the range's first source byte).
+  void until(int64_t upto) {
+    while (pos_ < upto && !ahead_.done()) {
+      const int64_t row = ahead_.elements() * unit_;
+      const int64_t take = std::min(row - in_row_, upto - pos_);
+      const char* p = ahead_.src() + in_row_;
+      for (int64_t k = 0; k < take; k += 64) prefetch_l2(p + k);
+      pos_ += take;
+      in_row_ += take;
+      if (in_row_ == row) {
+        ahead_.next();
+        in_row_ = 0;
+      }
+    }
+  }
+
+ private:
+  RunWalker ahead_;
+  const int64_t unit_;
+  int64_t pos_ = 0, in_row_ = 0;
+};
+
 // Copies elements [e0, e1) of box b (row-major element order over its coalesced shape).
 void copy_range(const Box& b, int64_t e0, int64_t e1, bool streaming) {
-  const int last = b.ndim - 1;
-  const int64_t inner = b.shape[last];
   const RunFn cast = b.src_kind == kRaw ? nullptr : cast_fn(b.src_kind, b.dst_kind);
-  int64_t idx[kMaxDims] = {0};
-  int64_t row = e0 / inner, col = e0 % inner;
-  for (int d = last - 1; d >= 0; --d) {
-    idx[d] = row % b.shape[d];
-    row /= b.shape[d];
-  }
-  int64_t soff = 0, doff = 0;
-  for (int d = 0; d < last; ++d) {
-    soff += idx[d] * b.src_stride[d];
-    doff += idx[d] * b.dst_stride[d];
-  }
-  int64_t e = e0;
-  while (e < e1) {
-    const int64_t n = std::min(inner - col, e1 - e);
-    const char* s = b.src + (soff + col * b.src_stride[last]) * b.src_size;
-    char* d = b.dst + (doff + col * b.dst_stride[last]) * b.dst_size;
-    if (cast) cast(s, d, n, b.src_stride[last], b.dst_stride[last]);
-    else run_raw(b, s, d, n, b.src_stride[last], b.dst_stride[last], streaming);
-    e += n;
-    col = 0;
-    for (int dd = last - 1; dd >= 0; --dd) {  // odometer over the outer dims
-      soff += b.src_stride[dd];
-      doff += b.dst_stride[dd];
-      if (++idx[dd] < b.shape[dd]) break;
-      soff -= idx[dd] * b.src_stride[dd];
-      doff -= idx[dd] * b.dst_stride[dd];
-      idx[dd] = 0;
-    }
+  const int last = b.ndim - 1;
+  // Short rows (and contiguous ones) of more than one row: the walker prefetches across rows.
+  const bool short_rows = b.src_stride[last] == 1 && e1 - e0 > b.shape[last] &&
+                          b.shape[last] * b.src_size < kLongRunBytes;
+  RowPrefetcher prefetcher(b, e0, e1);
+  int64_t pos = 0;  // source bytes copied so far
+  for (RunWalker w(b, e0, e1); !w.done(); w.next()) {
+    const int64_t n = w.elements();
+    if (short_rows) prefetcher.until(pos + n * b.src_size + kPrefetchBytes);
+    if (cast) cast(w.src(), w.dst(), n, b.src_stride[last], b.dst_stride[last], !short_rows);
+    else run_raw(b, w.src(), w.dst(), n, b.src_stride[last], b.dst_stride[last], streaming);
+    pos += n * b.src_size;
   }
 }
 

@@ -162,21 +162,23 @@ def test_many_tiny_boxes_and_empty_ones():
     assert torch.equal(out, _oracle_pack(views, torch.bfloat16))
 
 
-def test_large_boxes_split_across_threads():
-    # 4 MiB boxes, column blocks with short contiguous runs, and a transposed one: every thread
-    # boundary falls somewhere inside a box.
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_large_boxes_split_across_threads(wire):
+    # 4 MiB boxes, column blocks with short contiguous rows (whose source is prefetched row to
+    # row), and a transposed one: every thread boundary falls somewhere inside a box, bitwise
+    # and casting.
     gen = torch.Generator().manual_seed(2)
     a = torch.randn(1024, 1024, generator=gen)
     views = [a[:, 256 * k : 256 * (k + 1)] for k in range(4)] + [a.t(), a[::3, 1::2]]
     for threads in (1, 2, 3, 7):
         afc.set_num_threads(threads)
         try:
-            out = torch.empty(sum(v.numel() for v in views), dtype=torch.float32)
+            out = torch.empty(sum(v.numel() for v in views), dtype=wire)
             af.copy.pack(views, out)
-            assert torch.equal(out, _oracle_pack(views, torch.float32))
+            assert torch.equal(out, _oracle_pack(views, wire))
             back = torch.zeros(1024, 1024)
             af.copy.unpack(out[: 4 * 1024 * 256], [back[:, 256 * k : 256 * (k + 1)] for k in range(4)])
-            assert torch.equal(back, a)
+            assert torch.equal(back, a.to(wire).float())
         finally:
             afc.set_num_threads(os.cpu_count() or 1)
 
