@@ -2,7 +2,7 @@
 `kv_server`: routes, server, CLI; `kv_client`: clients), and the aiohttp helpers all servers
 share (`httputil`: auth, JSON errors and bodies, retries with backoff, event-loop threads;
 `serving`: serving an app, in a loop or a background thread, behind the connection limits of
-`conn_guard`).
+`conn_guard`; `server_args`: the limit options every server command takes).
 
 Names resolve lazily (`awex_fast._lazy`): a submodule is imported on first use of one of its names.
 """
@@ -42,6 +42,9 @@ _EXPORTS = {
     "ServedApp": "serving",
     "BackgroundServer": "serving",
     "serve_until_signal": "serving",
+    "ServerSettings": "server_args",
+    "add_server_arguments": "server_args",
+    "server_settings": "server_args",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -40,11 +40,16 @@ from awex_fast.net.kvstore import (
     json_bytes,
     resolve_admin_key,
 )
+from awex_fast.net.server_args import (
+    DEFAULT_MAX_BODY_BYTES,
+    ServerSettings,
+    add_server_arguments,
+    server_settings,
+)
 from awex_fast.net.serving import BackgroundServer, ServedApp, serve_app, serve_until_signal
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "KVStoreServer", "add_kv_routes", "kv_server_main"]
 
-DEFAULT_MAX_BODY_BYTES = 256 << 20
 _OK = b'{"status":"ok"}'
 
 
@@ -282,19 +287,15 @@ class KVStoreServer:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _serve_until_signal(server: KVStoreServer) -> int:
+async def _serve_until_signal(server: KVStoreServer, settings: ServerSettings) -> int:
     try:
         await server.astart()
     except OSError as exc:
         print(f"awex-fast kv-server: cannot listen on {server.host}:{server.requested_port}: {exc}",
               file=sys.stderr)
         return 1
-    limits = server.limits
     banner = (f"awex-fast kv-server: serving at {server.url} (anonymous reads "
-              f"{'allowed' if server.allow_anonymous_reads else 'refused'}, body limit "
-              f"{server.max_body_bytes} bytes, store limits {server.store.max_keys} keys / "
-              f"{server.store.max_total_bytes} bytes, {limits.effective_max_connections()} connections, "
-              f"idle {limits.idle_timeout_s:g} s, header {limits.header_timeout_s:g} s); "
+              f"{'allowed' if server.allow_anonymous_reads else 'refused'}, {settings.describe()}); "
               "SIGINT/SIGTERM stops")
     return await serve_until_signal(server.url, banner, server.astop)
 
@@ -302,31 +303,12 @@ async def _serve_until_signal(server: KVStoreServer) -> int:
 def _kv_server_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="awex-fast kv-server",
                                      description="HTTP KV store for awex_fast weight-sync metadata.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 lets the OS choose (default)")
     parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
                         help=f"bearer key for writes (default ${ADMIN_KEY_ENV}; prefer the variable: "
                              "command lines are visible to other users)")
     parser.add_argument("--allow-anonymous-reads", action="store_true",
                         help="let GET requests through without the key (AReaL workers read without one)")
-    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
-                        help="request body limit in MiB (default 256); larger bodies get 413")
-    parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS,
-                        help=f"most keys (values and sets) the store holds (default {DEFAULT_MAX_KEYS}); "
-                             "more get 413")
-    parser.add_argument("--max-total-mb", type=float, default=DEFAULT_MAX_TOTAL_BYTES / (1 << 20),
-                        help="most MiB of values, members and names the store holds (default 4096); "
-                             "more get 413")
-    defaults = ServeLimits()
-    parser.add_argument("--max-connections", type=int, default=defaults.max_connections,
-                        help=f"most open connections (default {defaults.max_connections}, always kept "
-                             "below the process's open-file limit)")
-    parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s,
-                        help="seconds a connection may send nothing while no request runs or a body is "
-                             f"due (default {defaults.idle_timeout_s:g})")
-    parser.add_argument("--header-timeout", type=float, default=defaults.header_timeout_s,
-                        help="seconds a request head may take to arrive "
-                             f"(default {defaults.header_timeout_s:g})")
+    add_server_arguments(parser)
     return parser
 
 
@@ -341,23 +323,16 @@ def kv_server_main(argv: list[str] | None = None) -> int:
     if not args.admin_key:
         print(f"awex-fast kv-server: no admin key; pass --admin-key or set {ADMIN_KEY_ENV}", file=sys.stderr)
         return 2
-    max_body = int(args.max_body_mb * (1 << 20))
-    max_total = int(args.max_total_mb * (1 << 20))
-    if max_body <= 0 or max_total <= 0 or args.max_keys < 1 or not 0 <= args.port <= 65535:
-        print(f"awex-fast kv-server: --max-body-mb (got {args.max_body_mb}), --max-total-mb (got "
-              f"{args.max_total_mb}) and --max-keys (got {args.max_keys}) must be > 0, --port in 0..65535 "
-              f"(got {args.port})", file=sys.stderr)
-        return 2
     try:
-        limits = ServeLimits(idle_timeout_s=args.idle_timeout, header_timeout_s=args.header_timeout,
-                             max_connections=args.max_connections)
+        settings = server_settings(args)
     except ValueError as exc:
         print(f"awex-fast kv-server: {exc}", file=sys.stderr)
         return 2
     server = KVStoreServer(args.host, args.port, args.admin_key,
-                           allow_anonymous_reads=args.allow_anonymous_reads, max_body_bytes=max_body,
-                           max_keys=args.max_keys, max_total_bytes=max_total, limits=limits)
-    return asyncio.run(_serve_until_signal(server))
+                           allow_anonymous_reads=args.allow_anonymous_reads,
+                           max_body_bytes=settings.max_body_bytes, max_keys=settings.max_keys,
+                           max_total_bytes=settings.max_total_bytes, limits=settings.limits)
+    return asyncio.run(_serve_until_signal(server, settings))
 
 
 if __name__ == "__main__":

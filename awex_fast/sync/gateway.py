@@ -16,13 +16,16 @@ from aiohttp import web
 from awex_fast.net import (
     ADMIN_KEY_ENV,
     KVStore,
+    ServerSettings,
     add_kv_routes,
+    add_server_arguments,
     check_bearer,
     json_error,
     json_error_middleware,
     read_json_body,
     serve_app,
     serve_until_signal,
+    server_settings,
 )
 from awex_fast.sync.pair import PairError, WeightSyncPair
 from awex_fast.sync.workers import HttpWorker, WorkerError
@@ -189,40 +192,42 @@ def gateway_app(admin_api_key: str | None = None, *, kv_store: KVStore | None = 
     return app
 
 
-async def _serve_gateway(app: web.Application, host: str, port: int) -> int:
+async def _serve_gateway(app: web.Application, host: str, port: int, settings: ServerSettings) -> int:
     try:
-        served = await serve_app(app, host, port)
+        served = await serve_app(app, host, port, limits=settings.limits, name="awex-fast-gateway")
     except OSError as exc:
         print(f"awex-fast gateway: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
     app[GATEWAY_STATE]["kv_store_url"] = served.url
-    banner = f"awex-fast gateway: serving at {served.url}; SIGINT/SIGTERM stops"
+    banner = f"awex-fast gateway: serving at {served.url} ({settings.describe()}); SIGINT/SIGTERM stops"
     return await serve_until_signal(served.url, banner, served.close)
 
 
 def gateway_main(argv: list[str] | None = None) -> int:
     """``awex-fast gateway``: serve `gateway_app` until SIGINT/SIGTERM; returns the exit code.
-    The first stdout line is the URL (``--port 0`` lets the OS choose). 0 after a signal, 1 when
-    the address cannot be bound, 2 for bad arguments or no admin key."""
+    The first stdout line is the URL (``--port 0`` lets the OS choose). It takes the serving
+    limits of ``awex-fast kv-server`` (`awex_fast.net.add_server_arguments`). 0 after a signal,
+    1 when the address cannot be bound, 2 for bad arguments or no admin key."""
     parser = argparse.ArgumentParser(prog="awex-fast gateway",
                                      description="Weight-sync pair controller (and KV store) over HTTP.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 lets the OS choose (default)")
     parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
                         help=f"bearer key (default ${ADMIN_KEY_ENV}; prefer the variable)")
     parser.add_argument("--no-kv-store", action="store_true", help="do not serve the KV store routes")
     parser.add_argument("--allow-anonymous-reads", action="store_true", help="KV reads without the key")
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
     if not args.admin_key:
         print(f"awex-fast gateway: no admin key; pass --admin-key or set {ADMIN_KEY_ENV}", file=sys.stderr)
         return 2
-    if not 0 <= args.port <= 65535:
-        print(f"awex-fast gateway: --port must be in 0..65535, got {args.port}", file=sys.stderr)
+    try:
+        settings = server_settings(args)
+    except ValueError as exc:
+        print(f"awex-fast gateway: {exc}", file=sys.stderr)
         return 2
-    app = gateway_app(args.admin_key, serve_kv=not args.no_kv_store,
-                      allow_anonymous_reads=args.allow_anonymous_reads)
-    return asyncio.run(_serve_gateway(app, args.host, args.port))
-
+    app = gateway_app(args.admin_key, kv_store=KVStore(settings.max_keys, settings.max_total_bytes),
+                      serve_kv=not args.no_kv_store, allow_anonymous_reads=args.allow_anonymous_reads,
+                      max_body_bytes=settings.max_body_bytes)
+    return asyncio.run(_serve_gateway(app, args.host, args.port, settings))
 
 
 __all__ = ["GATEWAY_STATE", "gateway_app", "gateway_main"]

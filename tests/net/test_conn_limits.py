@@ -7,7 +7,8 @@ limit flooded with more silent and half-sent connections than it has descriptors
 sockets after its idle and header timeouts, and log a few lines at most. In-process servers
 check each limit alone: a slow-loris head (408 after the header timeout), a stalled body (408
 after the idle timeout), a silent connection (closed), a slow handler (not cut), the cap with
-every connection busy (503) and with idle ones (the oldest is evicted).
+every connection busy (503) and with idle ones (the oldest is evicted). A real ``gateway``
+process takes the same limit options as ``kv-server`` and enforces them.
 """
 
 from __future__ import annotations
@@ -326,10 +327,51 @@ def test_server_key_and_byte_caps_answer_413_naming_the_limit():
         KVStoreServer(admin_api_key=KEY, store=srv.store, max_keys=3)
 
 
+BAD_LIMITS = (["--idle-timeout", "0"], ["--header-timeout", "-1"], ["--max-connections", "0"],
+              ["--max-keys", "0"], ["--max-total-mb", "0"], ["--max-body-mb", "0"], ["--port", "70000"])
+
+
 def test_cli_refuses_bad_limits():
-    for bad in (["--idle-timeout", "0"], ["--header-timeout", "-1"], ["--max-connections", "0"],
-                ["--max-keys", "0"], ["--max-total-mb", "0"]):
+    from awex_fast.sync import gateway_main
+
+    for bad in BAD_LIMITS:
         assert kv_server_main(["--admin-key", "k", "--port", "0", *bad]) == 2, bad
+        assert gateway_main(["--admin-key", "k", "--port", "0", *bad]) == 2, bad
+
+
+def test_gateway_command_serves_behind_the_limits_it_is_given():
+    # `awex-fast gateway` takes kv-server's limit options: a real gateway process with a short
+    # header timeout, a two-key store and a 1 KiB body cap enforces each, and says so at start.
+    env = dict(os.environ, AWEX_FAST_ADMIN_KEY=KEY,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    args = ["--port", "0", "--header-timeout", "0.5", "--max-keys", "2", "--max-body-mb", str(1 / 1024)]
+    proc = subprocess.Popen([sys.executable, "-m", "awex_fast.cli", "gateway", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), (url, proc.poll())
+        banner = proc.stderr.readline()
+        assert "store limits 2 keys" in banner and "body limit 1024 bytes" in banner, banner
+        assert "header 0.5 s" in banner, banner
+        with _connect(url) as sock:  # a head that never ends
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            data, closed_after = _read_until_closed(sock, 5.0)
+        assert closed_after is not None and closed_after < 2.0, closed_after
+        status, body = _answer(data)
+        assert status == 408 and body["limit"] == "header_timeout_s", body
+        with KVStoreClient(url, KEY, retries=0) as kv:
+            kv.put("p", "a", 1)
+            kv.put("p", "b", 2)
+            with pytest.raises(KVRequestError, match="max_keys") as info:
+                kv.put("p", "c", 3)
+            assert info.value.status == 413
+            with pytest.raises(KVRequestError) as info:
+                kv.put("p", "a", "x" * 2000)
+            assert info.value.status == 413
+            assert kv.get("p", "a") == 1  # the refused write changed nothing
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0
 
 
 def test_serve_limits_validate_and_stay_below_the_fd_limit():
