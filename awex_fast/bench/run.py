@@ -214,23 +214,26 @@ def print_table(summary: dict) -> None:
 
 
 def print_profile(profile: list[dict], n_infer: int) -> None:
-    """`--profile`: one more sync per method under cProfile, CPU seconds by category, summed over
-    the ranks of each side (`awex_fast.bench.profile`), then each side's costliest functions."""
+    """`--profile`: one more sync per method, CPU seconds by category summed over the ranks of
+    each side (`awex_fast.bench.profile`: the main thread by function, then the helper threads,
+    the process's user / kernel split), then each side's costliest main-thread functions."""
     from awex_fast.bench.profile import CATEGORIES
 
     methods = [m for m in ("awex_fast", "raw", "raw_cast") if m in profile[0]]
-    print("profile (one more sync each, cProfile; seconds summed over the ranks of a side)")
-    head = " ".join(f"{c:>14}" for c in (*CATEGORIES, "cpu_s", "wall_s"))
-    print(f"{'method':10} {'side':9} {head}")
+    print("profile (one more sync each; CPU seconds summed over the ranks of a side, wall the slowest rank)")
+    columns = (*CATEGORIES, "user_s", "sys_s", "cpu_s", "wall_s")
+    short = {"native_runner": "runner", "transport_wait": "t_wait", "transport_post": "t_post",
+             "copy_threads": "copy_thr", "transport_threads": "transp_thr", "other_threads": "other_thr"}
+    print(f"{'method':10} {'side':9} " + " ".join(f"{short.get(c, c):>10}" for c in columns))
     for method in methods:
         for side, ranks in (("inference", [p for p in profile if p["rank"] < n_infer]),
                             ("training", [p for p in profile if p["rank"] >= n_infer])):
-            cols = [sum(p[method][c] for p in ranks) for c in CATEGORIES]
-            cols += [sum(p[method]["cpu_s"] for p in ranks), max(p[method]["wall_s"] for p in ranks)]
-            print(f"{method:10} {side:9} " + " ".join(f"{v:14.4f}" for v in cols))
+            cols = [sum(p[method][c] for p in ranks) for c in columns[:-1]]
+            cols.append(max(p[method]["wall_s"] for p in ranks))
+            print(f"{method:10} {side:9} " + " ".join(f"{v:10.4f}" for v in cols))
     for side, rank in (("inference", 0), ("training", n_infer)):
         top = next(p for p in profile if p["rank"] == rank)["awex_fast"]["top"]
-        print(f"awex_fast, rank {rank} ({side}): costliest functions by own time")
+        print(f"awex_fast, rank {rank} ({side}): costliest functions by own CPU time (main thread)")
         for name, seconds in top:
             print(f"  {seconds * 1e3:9.2f} ms  {name[-100:]}")
 

@@ -158,6 +158,7 @@ class Executor:
         self._exchange = self._make_exchange(buckets)
         self.device = self._exchange.device
         self.strategy: MessageStrategy = self._make_strategy(max(1, int(slots)), staging_limit_bytes)
+        self._tensor_list = list(self._tensors.values())
         self._ptrs = self._storage_ptrs()
         self._prepare()
 
@@ -220,8 +221,9 @@ class Executor:
                 zc += p.msg.nbytes if p.program is None else 0
         return zc / total if total else 0.0
 
-    def _storage_ptrs(self) -> dict[str, int]:
-        return {n: t.data_ptr() for n, t in self._tensors.items()}
+    def _storage_ptrs(self) -> list[int]:
+        # one pass of a C method over a fixed tensor list: an MoE rank holds thousands of tensors
+        return list(map(torch.Tensor.data_ptr, self._tensor_list))
 
     def _prepare(self) -> None:
         """The self-copy program, then the strategy's programs (and staging)."""
