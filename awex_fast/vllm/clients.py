@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import urllib.request
 from collections.abc import Coroutine
 from typing import Any
 
 __all__ = ["MIXED_WEIGHTS", "AsyncLLMWeightSyncClient", "GenerationHold", "LLMWeightSyncClient"]
+
+logger = logging.getLogger(__name__)
 
 # What a worker's round error says when its live parameters were left mixed (`awex_fast.vllm.worker`).
 MIXED_WEIGHTS = "the served weights are MIXED (in-place mode)"
@@ -129,8 +132,11 @@ class GenerationHold:
         landed (no errors) and it was paused; returns a note for the round's error, or None."""
         if not errors:
             if name in self.held:
-                _set_paused(client, False, self.timeout_s)
-                self.held.discard(name)
+                try:
+                    _set_paused(client, False, self.timeout_s)
+                    self.held.discard(name)
+                except Exception:  # the round landed: say so, and retry after the next one
+                    logger.exception("awex_fast: resuming generation on %s failed", name)
             return None
         if not any(MIXED_WEIGHTS in e for e in errors):
             return None  # staged: the previous version is whole and keeps serving
