@@ -48,8 +48,10 @@ Contract:
   ``finish_weight_update(weight_version=str(version))`` on every server; the Future polls every
   server's ``/weight_info`` until it reports ``str(version)`` (``meta.version``, default this
   client's version + 1), bounded by ``request_timeout``. A server that stops answering
-  (``request_retries`` + 1 failed polls in a row) fails the Future with a `ServerError` naming its
-  address. ``"disk"``: waits (up to ``request_timeout``) for the trainer's version marker in
+  (``request_retries`` + 1 refused or failed polls in a row) fails the Future with a `ServerError`
+  naming its address; a slow poll is not a failure (vLLM answers ``/weight_info`` from its engine
+  core, busy while a round runs there), and the servers are polled concurrently, so a busy one
+  never hides a dead one. ``"disk"``: waits (up to ``request_timeout``) for the trainer's version marker in
   ``meta.path`` (`python_engines.api.wait_for_weight_version`; expected version ``meta.version``,
   default this client's), then on every server concurrently: pause in mode ``keep`` unless it is
   paused already, reload ``meta.path`` with vLLM's own loader (``/collective_rpc``
@@ -410,31 +412,49 @@ class RemotevLLMEngine(RemoteInferenceEngine):
         return {"addr": url, "weight_version": str((await self._get(f"{url}/weight_info"))["weight_version"])}
 
     async def _await_version(self, label: str, timeout: float) -> list[dict[str, Any]]:
-        """Poll every server's ``/weight_info`` until all report ``label`` (module docstring)."""
+        """Wait until every server's ``/weight_info`` reports ``label`` (module docstring).
+
+        The servers are polled concurrently: vLLM answers ``/weight_info`` from its engine core,
+        which is busy for as long as a round runs there, so one server's poll may legitimately
+        wait for most of the round; that must not delay noticing that another server died."""
         deadline = time.monotonic() + timeout
-        seen: dict[str, str | None] = dict.fromkeys(self.addresses)
-        failures = dict.fromkeys(self.addresses, 0)
+        polls = {url: asyncio.ensure_future(self._await_one(url, label, deadline, timeout))
+                 for url in self.addresses}
+        try:
+            done, _ = await asyncio.wait(polls.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # the first failure, if any, fails the whole wait
+        finally:
+            for task in polls.values():
+                task.cancel()
+        return [{"addr": url, "weight_version": label} for url in self.addresses]
+
+    async def _await_one(self, url: str, label: str, deadline: float, timeout: float) -> None:
+        """Poll one server until it reports ``label``. A poll may take until ``deadline`` (a
+        busy engine core answers late, which is not a failure); a refused, reset or failed poll
+        is, and ``request_retries`` + 1 of them in a row mean the server stopped answering."""
+        failures = 0
+        seen: str | None = None
         while True:
-            for url in self.addresses:
-                if seen[url] == label:
-                    continue
-                try:
-                    answer = await self._get(f"{url}/weight_info", timeout=min(10.0, timeout))
-                except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as exc:
-                    failures[url] += 1
-                    if failures[url] > self.config.request_retries:
-                        reason = f"{type(exc).__name__}: {exc or 'timed out'}"
-                        raise ServerError(f"vLLM server {url} stopped answering while the engine waited "
-                                          f"for weight version {label!r}: {reason}", None, url) from exc
-                    await asyncio.sleep(backoff_delay(failures[url] - 1, self.config.retry_backoff))
-                    continue
-                failures[url] = 0
-                seen[url] = str(answer["weight_version"])
-            if all(v == label for v in seen.values()):
-                return [{"addr": url, "weight_version": label} for url in self.addresses]
-            if time.monotonic() > deadline:
-                behind = {u: v for u, v in seen.items() if v != label}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise TimeoutError(f"weight version {label!r} not reported after {timeout:.1f} s by "
-                                   f"{behind} (server: label it reports)")
+                                   f"vLLM server {url} (it last reported {seen!r})")
+            try:
+                answer = await self._get(f"{url}/weight_info", timeout=remaining)
+            except asyncio.TimeoutError:
+                continue  # the deadline check above names the server
+            except (aiohttp.ClientError, ServerError) as exc:
+                failures += 1
+                if failures > self.config.request_retries:
+                    raise ServerError(f"vLLM server {url} stopped answering while the engine waited "
+                                      f"for weight version {label!r}: {type(exc).__name__}: {exc}",
+                                      None, url) from exc
+                await asyncio.sleep(backoff_delay(failures - 1, self.config.retry_backoff))
+                continue
+            failures = 0
+            seen = str(answer["weight_version"])
+            if seen == label:
+                return
             await asyncio.sleep(_POLL_S)
 
