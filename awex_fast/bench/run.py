@@ -89,6 +89,8 @@ def _spawn(spec: dict, world: int, tmp: Path) -> list[subprocess.Popen]:
     procs = []
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Every rank runs on this host, as under torchrun: each copy pool takes its share of the CPUs.
+    env["LOCAL_WORLD_SIZE"] = str(world)
     for rank in range(world):
         path = tmp / f"spec{rank}.json"
         path.write_text(json.dumps({**spec, "rank": rank, "result": str(tmp / f"result{rank}.json")}))

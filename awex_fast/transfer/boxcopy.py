@@ -340,7 +340,9 @@ def checksum(buf: torch.Tensor, nbytes: int | None = None, stream: int | None = 
 
 
 def set_num_threads(n: int) -> None:
-    """Threads used by CPU copies and checksums (default: the CPUs this process may use)."""
+    """Threads used by CPU copies and checksums. Default: ``AWEX_COPY_THREADS`` when set, else the
+    CPUs this process may use divided by ``LOCAL_WORLD_SIZE`` (the ranks sharing this host, as
+    torchrun sets it), or all of them when the process is already pinned to fewer than the host's."""
     _copy.set_num_threads(int(n))
 
 

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace awex::copy {
 namespace {
@@ -12,6 +13,30 @@ int available_cpus() {
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
   return std::max(1u, std::thread::hardware_concurrency());
 }
+
+// A positive integer environment variable, or 0 when unset or not one.
+int env_count(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(text, &end, 10);
+  return (*end == '\0' && v > 0 && v < (1 << 20)) ? static_cast<int>(v) : 0;
+}
+
+// AWEX_COPY_THREADS when set; otherwise this process's share of the CPUs it may run on. The
+// ranks of one host each get their own pool, so a pool per rank as wide as the host puts
+// LOCAL_WORLD_SIZE x CPUs threads on CPUs cores, and on a host where ranks outnumber cores that
+// oversubscription cost 10-30 % of a sync (awex-fast bench, 4 ranks on 2 cores). A launcher that
+// already pinned the process to its share (fewer CPUs in its affinity than the host has, as vLLM's
+// CPU workers are) gets all of them.
+int default_threads() {
+  if (const int forced = env_count("AWEX_COPY_THREADS")) return forced;
+  const int cpus = available_cpus();
+  const int local_ranks = env_count("LOCAL_WORLD_SIZE");
+  const int host = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (local_ranks > 1 && cpus >= host) return std::max(1, cpus / local_ranks);
+  return cpus;
+}
 }  // namespace
 
 ThreadPool& ThreadPool::instance() {
@@ -19,7 +44,7 @@ ThreadPool& ThreadPool::instance() {
   return pool;
 }
 
-ThreadPool::ThreadPool() { resize(available_cpus()); }
+ThreadPool::ThreadPool() { resize(default_threads()); }
 
 ThreadPool::~ThreadPool() { stop_workers(); }
 
