@@ -420,6 +420,8 @@ class RemotevLLMEngine(RemoteInferenceEngine):
         deadline = time.monotonic() + timeout
         polls = {url: asyncio.ensure_future(self._await_one(url, label, deadline, timeout))
                  for url in self.addresses}
+        if not polls:
+            return []
         try:
             done, _ = await asyncio.wait(polls.values(), return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
