@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,23 +186,26 @@ def test_large_boxes_split_across_threads(wire):
             afc.set_num_threads(os.cpu_count() or 1)
 
 
-def _pool_size(**env: str) -> int:
-    """The copy pool's size in a fresh process started with ``env`` (set on top of a clean one)."""
+def _pool_size(cwd: Path, **env: str) -> int:
+    """The copy pool's size in a fresh process started with ``env`` (set on top of a clean one).
+    ``cwd`` is outside the checkout, so the process imports the package under test, not the
+    source tree that ``python -c`` would put first on its path."""
     base = {k: v for k, v in os.environ.items() if k not in ("AWEX_COPY_THREADS", "LOCAL_WORLD_SIZE")}
     out = subprocess.run([sys.executable, "-c", "from awex_fast.transfer import boxcopy as afc; "
                           "print(afc.num_threads())"], env={**base, **env}, capture_output=True,
-                         text=True, check=True)
+                         text=True, cwd=cwd)
+    assert out.returncode == 0, out.stderr
     return int(out.stdout)
 
 
-def test_the_copy_pool_takes_this_ranks_share_of_the_host():
+def test_the_copy_pool_takes_this_ranks_share_of_the_host(tmp_path):
     cpus = len(os.sched_getaffinity(0))
     pinned = cpus < (os.cpu_count() or 1)
-    assert _pool_size() == cpus
-    assert _pool_size(LOCAL_WORLD_SIZE="2") == (cpus if pinned else max(1, cpus // 2))
-    assert _pool_size(LOCAL_WORLD_SIZE=str(4 * cpus)) == (cpus if pinned else 1)
-    assert _pool_size(AWEX_COPY_THREADS="3", LOCAL_WORLD_SIZE="2") == 3
-    assert _pool_size(AWEX_COPY_THREADS="lots", LOCAL_WORLD_SIZE="junk") == cpus
+    assert _pool_size(tmp_path) == cpus
+    assert _pool_size(tmp_path, LOCAL_WORLD_SIZE="2") == (cpus if pinned else max(1, cpus // 2))
+    assert _pool_size(tmp_path, LOCAL_WORLD_SIZE=str(4 * cpus)) == (cpus if pinned else 1)
+    assert _pool_size(tmp_path, AWEX_COPY_THREADS="3", LOCAL_WORLD_SIZE="2") == 3
+    assert _pool_size(tmp_path, AWEX_COPY_THREADS="lots", LOCAL_WORLD_SIZE="junk") == cpus
 
 
 def test_unpack_into_fused_views_changes_the_fused_tensor():
