@@ -5,7 +5,9 @@ once, and every rank reports its wall time and its user / kernel CPU per round (
     python benchmarks/bench_gloo_messages.py [--mb-per-pair 247] [--messages 1,90] [--rounds 7]
 
 Used to tell whether the executor's many messages per pair explain its extra kernel time over
-gloo (README, "Where the CPU goes"): they do not.
+gloo (README, "Where the CPU goes"): they do. On the 2-core machine, 90 messages per pair cost
+the senders 121-130 ms of kernel time against 84-99 ms for 1 message, and the round took
+240-267 ms against 206-226 ms (``--messages 90,1,90,1``, 2026-12-05).
 """
 
 from __future__ import annotations
