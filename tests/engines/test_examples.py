@@ -24,17 +24,18 @@ from vllm_support import cpu_env
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS = 10  # the module docstring says why not fewer
 
 
 def test_grpo_vllm_example_trains_and_tags_rollouts_with_the_synced_version(tmp_path):
     out = tmp_path / "grpo_out"
     # cwd: not the checkout, so the installed awex_fast (with its compiled extension) is imported
-    cmd = [sys.executable, str(EXAMPLES / "grpo_vllm.py"), "--steps", "10", "--out", str(out)]
+    cmd = [sys.executable, str(EXAMPLES / "grpo_vllm.py"), "--steps", str(STEPS), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=cpu_env(2), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = json.loads((out / "steps.json").read_text())
-    assert [s["step"] for s in steps] == list(range(1, 11))
-    assert [s["rollout_versions"] for s in steps] == [[k] for k in range(10)]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert [s["rollout_versions"] for s in steps] == [[k] for k in range(STEPS)]
     rewards = [s["reward"] for s in steps]
     assert max(rewards[-2:]) > 0.4 > rewards[0], rewards
     assert "reward " in proc.stdout and all(s["sync_s"] > 0 for s in steps)
