@@ -181,6 +181,16 @@ class AsyncKVStoreClient:
                                      pair=pair, key=key)
         return _answer_field(answer, "size", int, pair=pair, key=key, url=self.url)
 
+    async def set_members(self, pair: str, key: str) -> list[str]:
+        """The members of the set ``pair/key``, sorted (empty when it does not exist)."""
+        answer = await self._request("GET", self._path(pair, key, member_set=True) + "/members",
+                                     pair=pair, key=key)
+        members = _answer_field(answer, "members", list, pair=pair, key=key, url=self.url)
+        if not all(isinstance(m, str) for m in members):
+            raise KVStoreError(f"{self.url}: set {key!r} of pair {pair!r} answered non-string members",
+                               pair=pair, key=key, url=self.url)
+        return members
+
     async def put_bytes(self, pair: str, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store raw bytes at ``pair/key`` as a base64 JSON string."""
         await self.put(pair, key, base64.b64encode(bytes(data)).decode("ascii"))
@@ -315,6 +325,10 @@ class KVStoreClient:
     def set_size(self, pair: str, key: str) -> int:
         """Number of members of the set ``pair/key`` (0 when it does not exist)."""
         return self._run(self._async.set_size(pair, key))
+
+    def set_members(self, pair: str, key: str) -> list[str]:
+        """The members of the set ``pair/key``, sorted (empty when it does not exist)."""
+        return self._run(self._async.set_members(pair, key))
 
     def put_bytes(self, pair: str, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store raw bytes at ``pair/key`` (base64 inside the JSON value)."""

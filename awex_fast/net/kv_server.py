@@ -7,6 +7,8 @@ use this server and our clients (`awex_fast.net.kv_client`) can use AReaL's:
   unknown key is 404; PUT answers ``{"status": "ok"}``; DELETE ``{"status": "ok", "deleted": b}``.
 - ``PUT /weight_meta/{pair}/set/{key}`` with ``{"value": "member"}``: idempotent set add.
 - ``GET /weight_meta/{pair}/set/{key}/size`` -> ``{"size": n}`` (0 for a set never written).
+- ``GET /weight_meta/{pair}/set/{key}/members`` -> ``{"members": [...]}``, sorted (empty for a set
+  never written).
 - ``GET /health`` -> ``{"status": "healthy"}``, no key needed.
 
 Writes need ``Authorization: Bearer <admin key>`` (401 missing, 403 wrong; constant-time
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 
@@ -129,6 +132,11 @@ class _KVRoutes:
         pair, key = self.names(request)
         return _json_answer(b'{"size":%d}' % self.store.set_size(pair, key))
 
+    async def set_members(self, request: web.Request) -> web.Response:
+        self.read_auth(request)
+        pair, key = self.names(request)
+        return _json_answer(json.dumps({"members": self.store.set_members(pair, key)}).encode())
+
 
 def add_kv_routes(
     app: web.Application,
@@ -147,6 +155,7 @@ def add_kv_routes(
         raise ValueError(f"add_kv_routes: max_body_bytes must be positive, got {max_body_bytes}")
     routes = _KVRoutes(store, admin_api_key, allow_anonymous_reads, max_body_bytes)
     app.router.add_get("/weight_meta/{pair}/set/{key}/size", routes.set_size)
+    app.router.add_get("/weight_meta/{pair}/set/{key}/members", routes.set_members)
     app.router.add_put("/weight_meta/{pair}/set/{key}", routes.add_member)
     app.router.add_get("/weight_meta/{pair}/{key}", routes.get_value)
     app.router.add_put("/weight_meta/{pair}/{key}", routes.put_value)

@@ -203,6 +203,11 @@ class KVStore:
         with self._lock:
             return len(self._sets.get((pair, key), ()))
 
+    def set_members(self, pair: str, key: str) -> list[str]:
+        """The members of the set ``pair/key``, sorted (empty when it does not exist)."""
+        with self._lock:
+            return sorted(self._sets.get((pair, key), ()))
+
     def keys(self, pair: str) -> list[str]:
         """Sorted value keys of ``pair`` (sets not included)."""
         with self._lock:

@@ -245,7 +245,10 @@ class AdapterBase(abc.ABC):
         ex = self._require_executor()
         try:
             with self._resident():
-                return ex.run(int(version))
+                # the source is read again every round: it may hold new tensors now (a replaced
+                # dict, load_state_dict(assign=True), a re-published checkpoint), and the round
+                # must send (or receive into) those, never the ones bound at the join
+                return ex.run(int(version), self.get_local_shard_parameters())
         except TransferError as exc:
             self._fail(exc)
             raise

@@ -57,6 +57,14 @@ class TrainingAdapter(AdapterBase):
         self._metas, self._parallelism = metas, dict(parallelism) if parallelism else None
         self.shared_segments: list[Any] = []
 
+    def set_source(self, source: nn.Module | Callable[[], Mapping[str, torch.Tensor]],
+                   metas: _Metas = None) -> None:
+        """Read tensors (and, with ``metas``, their metadata) from ``source`` from the next round
+        on. Every round reads its source again (`AdapterBase._run_transfer`), so a source that
+        hands out new tensors needs nothing; this is for a different source object."""
+        with self._lock:
+            self.source, self._metas = source, metas
+
     def _named(self) -> list[tuple[str, torch.Tensor]]:
         if isinstance(self.source, nn.Module):
             out = []

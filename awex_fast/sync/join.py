@@ -255,13 +255,29 @@ def publish_side(kv: KVStoreClient, pair: str, side: str, groups: Sequence[Seque
     return value
 
 
+def publish_join_failure(kv: KVStoreClient, pair: str, reason: str) -> None:
+    """Give up the join of ``pair``: every side value still awaited becomes ``{"failed": reason}``,
+    so every rank waiting for one raises `JoinError` with ``reason`` at once, instead of waiting
+    out its timeout (one worker's refusal must end the join everywhere). Best effort: a store that
+    is gone has no waiters left to tell."""
+    for key in _SIDE_KEYS.values():
+        try:
+            kv.put(pair, key, {"failed": str(reason)[:4000]})
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            return
+
+
 def wait_side(kv: KVStoreClient, pair: str, side: str, timeout_s: float, *,
               step: str | None = None, who: str | None = None) -> tuple[list[int], list[_Metas], dict]:
     """Wait for ``side``'s value and decode it: (sizes, per-group metas, the raw value).
-    `JoinTimeoutError` when it never came; `MetadataError` naming the key when it is malformed."""
+    `JoinTimeoutError` when it never came; `JoinError` with the reason when the join was given
+    up (`publish_join_failure`); `MetadataError` naming the key when it is malformed."""
     key = _SIDE_KEYS[side]
     step = step or f"wait for {key}"
     value = wait_value(kv, pair, key, timeout_s, step=step, who=who or f"the {side} side")
+    if isinstance(value, dict) and "failed" in value:
+        raise JoinError(f"{step_where(step, pair, kv.url)}: the join was given up: {value['failed']}",
+                        step=step, pair=pair, kv_url=kv.url)
     try:
         sizes, groups = decode_side_metas(value, side)
     except MetadataError as exc:
@@ -362,9 +378,10 @@ def form_transfer_group(kv: KVStoreClient, pair: str, backend: str, master_addr:
     def publish(port: int) -> None:
         kv.put(pair, MASTER_PORT_KEY, {"addr": master_addr, "port": port})
 
-    def await_port() -> int:
-        return int(wait_value(kv, pair, MASTER_PORT_KEY, timeout_s, step="form the transfer group",
-                              who="transfer rank 0", rank=0)["port"])
+    def await_port() -> tuple[str, int]:
+        value = wait_value(kv, pair, MASTER_PORT_KEY, timeout_s, step="form the transfer group",
+                           who="transfer rank 0", rank=0)
+        return str(value.get("addr") or master_addr), int(value["port"])
 
     return init_transfer_group_on_free_port(backend, transfer_rank, world_size, master_addr, publish,
                                             await_port, timeout_s, f"awex_{pair}")
@@ -372,5 +389,6 @@ def form_transfer_group(kv: KVStoreClient, pair: str, backend: str, master_addr:
 
 __all__ = ["JoinError", "JoinTimeoutError", "World", "assemble_world", "check_digests", "check_own_pieces",
            "decode_side_metas", "encode_side_metas", "form_transfer_group", "gather_rank_metas",
-           "merge_per_engine", "publish_digest", "publish_side", "put_side", "read_report",
+           "merge_per_engine", "publish_digest", "publish_join_failure", "publish_side", "put_side",
+           "read_report",
            "reset_group_keys", "run_step", "step_where", "wait_side", "wait_value"]

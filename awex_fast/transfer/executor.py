@@ -155,11 +155,11 @@ class Executor:
                 f"rank {self.rank}: the plan names tensors this rank does not have: {sorted(missing)[:5]}"
             )
         check_local_tensors(buckets, self._tensors, self.rank)
+        self._buckets = tuple(buckets)
         self._exchange = self._make_exchange(buckets)
         self.device = self._exchange.device
         self.strategy: MessageStrategy = self._make_strategy(max(1, int(slots)), staging_limit_bytes)
         self._tensor_list = list(self._tensors.values())
-        self._ptrs = self._storage_ptrs()
         self._prepare()
 
     # --- setup ----------------------------------------------------------------------------------
@@ -234,6 +234,7 @@ class Executor:
                 dsts.append(box_view(self._tensors[r_op.name], r_op.offset, r_op.shape))
         self._self_program = afc.direct_program(srcs, dsts) if srcs else None
         self.strategy.prepare()
+        self._ptrs, self._built_for = self._storage_ptrs(), self._geometry()
 
     def _open(self) -> None:
         """The strategy's connections (shared slots: the channels); a failure aborts the group."""
@@ -319,14 +320,60 @@ class Executor:
 
     def _revalidate(self) -> None:
         if self._storage_ptrs() != self._ptrs:  # a parameter was re-allocated: rebuild programs
-            self._ptrs = self._storage_ptrs()
             self._prepare()
 
-    def run(self, version: int) -> dict:
+    def rebind(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Address ``tensors`` (canonical name -> local tensor, at least every name the plan
+        uses) from now on, instead of the tensors held so far; returns whether the copy programs
+        were rebuilt.
+
+        Why: a source may hand out *new* tensors between rounds (a dict of the next step's
+        tensors, ``load_state_dict(assign=True)``, a re-published checkpoint). The executor must
+        send what the source holds now, never the tensors it was given at construction. Every
+        tensor is checked against the plan first (extent, receive dtype, device), before anything
+        is replaced; the programs are rebuilt unless every tensor has the geometry (address,
+        shape, strides, dtype) the programs were built for. Holding the new tensors keeps their
+        memory alive, so an equal geometry addresses exactly the memory the caller gave."""
+        names = list(self._tensors)
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise KeyError(f"rank {self.rank}: the plan names tensors the source no longer has: "
+                           f"{missing[:5]}")
+        new = {n: tensors[n] for n in names}
+        check_local_tensors(self._buckets, new, self.rank)
+        devices = {t.device for t in new.values()}
+        if devices and devices != {self.device}:
+            moved = sorted(n for n, t in new.items() if t.device != self.device)
+            raise ValueError(f"rank {self.rank}: tensors {moved[:5]} moved from {self.device} to "
+                             f"{sorted(map(str, devices - {self.device}))}; the transfer group serves "
+                             "one device")
+        self._tensors.update(new)  # in place: the exchange addresses the same dict
+        self._tensor_list = list(self._tensors.values())
+        if self._storage_ptrs() == self._ptrs and self._geometry() == self._built_for:
+            return False
+        self._prepare()
+        return True
+
+    def _geometry(self) -> list[tuple]:
+        """What the copy programs bake in, per tensor: address, dtype, shape, strides."""
+        return [(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in self._tensor_list]
+
+    def run(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> dict:
         """Send and receive every message of this rank for ``version``; on success the receiver's
-        `version` becomes ``version``. Returns {"bytes_sent", "bytes_received", "seconds", ...}."""
+        `version` becomes ``version``. ``tensors``: the source's tensors of this round (see
+        `rebind`); a mismatch with the plan fails the round before a byte moves. Returns
+        {"bytes_sent", "bytes_received", "seconds", "rebound", ...}."""
         self._open()
-        self._revalidate()
+        rebound = False
+        if tensors is None:
+            self._revalidate()
+        else:
+            try:
+                rebound = self.rebind(tensors)
+            except (KeyError, ValueError) as exc:
+                err = TransferError(f"rank {self.rank}: this round's tensors do not match the plan: {exc}",
+                                    version=version)
+                raise self._failed(version, err, tell_senders=True) from exc
         self._exchange.trace = []
         t0 = time.perf_counter()
         try:
@@ -358,6 +405,7 @@ class Executor:
             "messages": sum(len(m) for _, m in self._exchange.all_pairs()),
             "seconds": time.perf_counter() - t0,
             "staging_bytes": self.staging_bytes,
+            "rebound": rebound,
         }
 
 

@@ -62,13 +62,15 @@ def init_transfer_group_on_free_port(
     world_size: int,
     master_addr: str,
     publish_port: Callable[[int], None],
-    await_port: Callable[[], int],
+    await_port: Callable[[], int | tuple[str, int]],
     timeout: float = 120.0,
     group_name: str = "awex_fast",
 ) -> tuple[TransferGroup, object | None]:
     """`init_transfer_group` where transfer rank 0 binds the rendezvous store on a port the OS
     picks, so no two groups race for a port: rank 0 hands the port to ``publish_port(port)`` and
-    every other rank learns it from ``await_port()`` (a KV store, a parent's store, ...).
+    every other rank learns it from ``await_port()`` (a KV store, a parent's store, ...); where
+    that returns (address, port), the other ranks connect to the address rank 0 bound, whatever
+    their own ``master_addr`` says (on another host it may not know it).
 
     Returns the group and the TCPStore rank 0 hosts (None elsewhere); the group keeps it alive.
     """
@@ -83,7 +85,11 @@ def init_transfer_group_on_free_port(
         port = store.port
         publish_port(port)
     else:
-        port = int(await_port())
+        got = await_port()
+        if isinstance(got, tuple):
+            master_addr, port = str(got[0]), int(got[1])
+        else:
+            port = int(got)
     group = init_transfer_group(backend, rank, world_size, master_addr, port, timeout, group_name, store)
     return group, store
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,9 @@ class _TorchPending:
 
 
 def _gloo_options(master_addr: str, timeout_s: float) -> dist.ProcessGroupGloo._Options:
-    """Gloo device: GLOO_SOCKET_IFNAME when set, loopback for a loopback master, else the
-    host's default interface."""
+    """Gloo device: GLOO_SOCKET_IFNAME when set, loopback for a loopback master, else the address
+    of the interface this host reaches the master through (the hostname's address may be on
+    another network, or none this host's peers can reach), else the host's default device."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(timeout_s)
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -42,8 +44,20 @@ def _gloo_options(master_addr: str, timeout_s: float) -> dist.ProcessGroupGloo._
     elif loopback:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     else:
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        local = address_towards(master_addr)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local) if local else
+                         dist.ProcessGroupGloo.create_default_device()]
     return opts
+
+
+def address_towards(host: str) -> str | None:
+    """This host's address on the route to ``host`` (no packet is sent), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
 
 
 class TorchTransferGroup:

@@ -61,6 +61,10 @@ def register() -> None:
     if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND_NAME, AwexFastTrainerWeightTransferEngine)
     __import__("awex_fast.vllm.baselines", fromlist=["register"]).register()
+    from awex_fast.vllm import cpu_fp8, draft
+
+    draft.install()
+    cpu_fp8.install()  # only with AWEX_FAST_CPU_FP8_FALLBACK=1, on a CPU platform
 
 
 register()

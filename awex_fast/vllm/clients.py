@@ -22,7 +22,8 @@ import urllib.request
 from collections.abc import Coroutine
 from typing import Any
 
-__all__ = ["MIXED_WEIGHTS", "AsyncLLMWeightSyncClient", "GenerationHold", "LLMWeightSyncClient"]
+__all__ = ["MIXED_WEIGHTS", "AsyncLLMWeightSyncClient", "GenerationHold", "LLMWeightSyncClient",
+           "current_label"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +108,54 @@ def _server_post(base_url: str, path: str, timeout_s: float) -> dict[str, Any]:
 
 
 def _set_paused(client: Any, paused: bool, timeout_s: float) -> bool:
-    """Pause (mode ``keep``) or resume ``client``'s engine; False when it has no pause."""
+    """Pause (mode ``keep``: queued and running requests freeze, none is lost) or resume
+    ``client``'s engine by the client's own means; False when it has none. Tried in order: an
+    in-process ``AsyncLLM``; a client with ``pause_generation`` / ``resume_generation`` methods
+    of its own (any wrapper that can pause its engines); vLLM's Ray client (every actor handle's
+    ``pause_generation``); a server URL (``/pause?mode=keep``, ``/resume``). An offline ``LLM``
+    has no pause."""
     if isinstance(client, AsyncLLMWeightSyncClient):
         engine = client.engine
         client._call(engine.pause_generation(mode="keep") if paused else engine.resume_generation())
+        return True
+    own = getattr(client, "pause_generation" if paused else "resume_generation", None)
+    if callable(own):
+        own(mode="keep") if paused else own()
+        return True
+    handles = getattr(client, "handles", None)
+    if isinstance(handles, list) and handles and all(hasattr(h, "pause_generation") for h in handles):
+        import ray  # vLLM's RayVLLMWeightSyncClient: the handles are AsyncLLM actors
+
+        calls = [h.pause_generation.remote(mode="keep") if paused else h.resume_generation.remote()
+                 for h in handles]
+        ray.get(calls, timeout=timeout_s)
         return True
     base_url = getattr(client, "base_url", "")
     if isinstance(base_url, str) and base_url.startswith(("http://", "https://")):
         _server_post(base_url, "/pause?mode=keep" if paused else "/resume", timeout_s)
         return True
     return False
+
+
+def current_label(client: Any, timeout_s: float = 30.0) -> str | None:
+    """The weight version ``client``'s engine reports now (vLLM's ``weight_version``), or None
+    where the client cannot say (a client type this does not know, a server that does not answer)."""
+    try:
+        if isinstance(client, AsyncLLMWeightSyncClient):
+            label = client._call(client.engine.get_weight_version())
+        elif isinstance(client, LLMWeightSyncClient):
+            label = client.llm.llm_engine.get_weight_version()
+        else:
+            base_url = getattr(client, "base_url", "")
+            if not (isinstance(base_url, str) and base_url.startswith(("http://", "https://"))):
+                return None
+            with urllib.request.urlopen(f"{base_url.rstrip('/')}/weight_info", timeout=timeout_s) as response:
+                label = json.loads(response.read() or b"{}").get("weight_version")
+    except Exception:  # noqa: BLE001 - a label we cannot read only means counting starts at 1
+        logger.warning("awex_fast: could not read the weight version of %s",
+                       getattr(client, "base_url", client))
+        return None
+    return None if label is None else str(label)
 
 
 class GenerationHold:
@@ -144,7 +183,8 @@ class GenerationHold:
             return f"{name}: generation stays paused until a round lands there"
         try:
             if not _set_paused(client, True, self.timeout_s):
-                return f"{name}: it cannot be paused (offline LLM): do not generate until a round lands"
+                return (f"{name}: its client has no way to pause it (an offline LLM, or a client without "
+                        "pause_generation): do not generate until a round lands")
         except Exception as exc:  # noqa: BLE001 - the round's error must still be raised
             return f"{name}: pausing its generation failed ({exc}): do not generate until a round lands"
         self.held.add(name)

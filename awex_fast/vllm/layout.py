@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,12 @@ __all__ = ["LayoutError", "LoadCopy", "LoadLayout", "record_load_layout"]
 
 _aten = torch.ops.aten
 _DERIVING_OPS = {_aten.clone.default, _aten._to_copy.default}
+# what a loader writes that no checkpoint holds: vocabulary padding (`VocabParallelEmbedding`
+# zero-fills the rows past the real vocabulary on the last ranks), any padding a loader clears
+_FILL_OPS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
+# an attention layer's quantization scalars (FP8 attention / KV cache), which checkpoints may
+# omit (vLLM then uses its defaults) and no trainer trains
+_OPTIONAL_SCALARS = {"q_scale", "k_scale", "v_scale", "prob_scale"}
 
 
 class LayoutError(ValueError):
@@ -170,12 +176,15 @@ class LoadLayout:
 
     ``load_format``: qualified name -> meta tensor of each parameter as the loaders write it
     (shape, stride and dtype before post-processing). ``unused``: offered names the loaders
-    ignored (tied or skipped tensors); this worker receives nothing of them."""
+    ignored (tied or skipped tensors); this worker receives nothing of them. ``padding``:
+    parameter -> elements its loader fills with a constant (vocabulary padding), which no
+    checkpoint holds: nothing is sent for them, and they keep what vLLM's loader wrote."""
 
     copies: dict[str, list[LoadCopy]] = field(default_factory=dict)
     load_format: dict[str, torch.Tensor] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)  # parameter -> the one it shares storage with
+    padding: dict[str, int] = field(default_factory=dict)
 
     def pieces(self, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """The distinct checkpoint boxes of ``name`` this worker keeps, (offset, shape)."""
@@ -190,6 +199,7 @@ class _Recorder(TorchDispatchMode):
         self.sources, self.targets = sources, targets
         self.tainted: dict[int, tuple[str, str]] = {}  # storage -> (checkpoint name, op)
         self.copies: list[LoadCopy] = []
+        self.fills: list[tuple[str, int, int]] = []  # (parameter, first, end) a loader filled
         self.keep: list[torch.Tensor] = []  # outputs kept alive so their storage ids stay unique
 
     @staticmethod
@@ -232,12 +242,36 @@ class _Recorder(TorchDispatchMode):
         self.copies.append(LoadCopy(s.name, offset, shape, d.name,
                                     dst.storage_offset() - d.base.storage_offset(), tuple(strides)))
 
+    def _record_fill(self, dst: torch.Tensor) -> None:
+        """A constant written into a parameter (padding), as a range of its storage; a fill that
+        is not one contiguous range is not recorded, so it never counts as covered."""
+        if not dst.is_contiguous() or dst.numel() == 0:
+            return
+        tracked = self.targets[self._sid(dst)]
+        first = dst.storage_offset() - tracked.base.storage_offset()
+        self.fills.append((tracked.name, first, first + dst.numel()))
+
+    def padding(self) -> dict[str, int]:
+        """Per parameter, the elements a loader filled and no copy wrote (its padding)."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for c in self.copies:
+            extent = sum((n - 1) * s for n, s in zip(c.src_shape, c.dst_strides, strict=True)) + 1
+            spans.setdefault(c.param, []).append((c.dst_offset, c.dst_offset + extent))
+        out: dict[str, int] = {}
+        for name, first, end in sorted(set(self.fills)):
+            if all(end <= a or first >= b for a, b in spans.get(name, [])):
+                out[name] = out.get(name, 0) + end - first
+        return out
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if func is _aten.copy_.default:
             # never executed: the probes hold no data, and a few targets stay live
             # (biases are never put on meta), which must not be touched
             self._record_copy(args[0], args[1])
+            return args[0]
+        if func in _FILL_OPS and self._sid(args[0]) in self.targets:
+            self._record_fill(args[0])  # never executed either, for the same reason
             return args[0]
         out = func(*args, **kwargs)
         known = self.sources.keys() | self.tainted.keys()
@@ -316,9 +350,12 @@ def record_load_layout(model: torch.nn.Module, tensors: Iterable[tuple[str, Sequ
     name, global shape, dtype) and return where each box lands (`LoadLayout`).
 
     ``require_coverage``: every element of every loadable parameter must be written by some
-    copy (less a declared padding, ``weight_loader_numel``); a parameter left short raises
-    `LayoutError` naming it, since vLLM would serve stale or uninitialised values there.
-    A name the model does not know raises `LayoutError` too (vLLM raises ``KeyError``)."""
+    copy, less its padding: what its loader fills with a constant (vocabulary padding: vLLM
+    pads the embedding and LM head to a multiple of 64 x TP rows) or declares as never loaded
+    (``weight_loader_numel``). A parameter left short raises `LayoutError` naming it, since
+    vLLM would serve stale or uninitialised values there. A name the model does not know, or a
+    tensor whose shape its loader cannot take, raises `LayoutError` too (vLLM raises
+    ``KeyError``, an assertion, or an out-of-range ``narrow``)."""
     offered = [(str(n), tuple(int(s) for s in shape), dtype) for n, shape, dtype in tensors]
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
@@ -351,25 +388,36 @@ def record_load_layout(model: torch.nn.Module, tensors: Iterable[tuple[str, Sequ
         try:
             with recorder, torch.no_grad():
                 model.load_weights(feed())
-        except (KeyError, ValueError, AssertionError) as exc:
+        except (KeyError, ValueError, AssertionError, IndexError, RuntimeError) as exc:
             last = fed[-1] if fed else "?"
             raise LayoutError(f"vLLM's model rejects checkpoint tensor {last!r} (the trainer's names and "
                               f"shapes must be this model's Hugging Face ones): {exc}") from None
     for c in recorder.copies:
         layout.copies.setdefault(c.name, []).append(c)
     layout.unused = [n for n, _, _ in offered if n not in layout.copies]
+    layout.padding = recorder.padding()
     if require_coverage:
-        written: dict[str, int] = {}
-        for c in recorder.copies:
-            written[c.param] = written.get(c.param, 0) + c.numel
-        for qual, meta in layout.load_format.items():
-            if qual not in params or qual in layout.tied or qual.rsplit(".", 1)[-1] in SKIP_LOAD_TENSORS:
-                continue
-            need = _load_numel(meta)
-            if written.get(qual, 0) < need:
-                got = written.get(qual, 0)
-                raise LayoutError(f"vLLM parameter {qual!r} ({tuple(meta.shape)}) gets {got} "
-                                  f"of its {need} elements from the offered checkpoint tensors; the "
-                                  "trainer does not send what this model needs")
+        _check_coverage(layout, recorder.copies, params, SKIP_LOAD_TENSORS)
     return layout
+
+
+def _check_coverage(layout: LoadLayout, copies: Sequence[LoadCopy], params: set[str],
+                    skipped: Collection[str]) -> None:
+    """Every loadable parameter gets all its elements from the copies, except its padding."""
+    written: dict[str, int] = {}
+    for c in copies:
+        written[c.param] = written.get(c.param, 0) + c.numel
+    for qual, meta in layout.load_format.items():
+        if qual not in params or qual in layout.tied or qual.rsplit(".", 1)[-1] in skipped:
+            continue
+        if qual.rsplit(".", 1)[-1] in _OPTIONAL_SCALARS and meta.dim() == 0:
+            continue  # calibration scalars a checkpoint may omit; they keep what vLLM loaded
+        pad = layout.padding.get(qual, 0)
+        need = _load_numel(meta) - pad
+        got = written.get(qual, 0)
+        if got < need:
+            padded = f" (less {pad} of padding its loader fills)" if pad else ""
+            raise LayoutError(f"vLLM parameter {qual!r} ({tuple(meta.shape)}) gets {got} of its "
+                              f"{need} elements{padded} from the offered checkpoint tensors; the "
+                              "trainer does not send what this model needs")
 

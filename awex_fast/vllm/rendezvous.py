@@ -5,6 +5,11 @@ trainer rank 0. Everything else goes through an awex_fast KV store (hosted by tr
 unless the user runs one), with the keys of the adapters' protocol (`awex_fast.sync.protocol`) and
 the steps of the one join (`awex_fast.sync.join`):
 
+0. every vLLM engine (one server, all its workers) claims a place (`claim_engine`): trainer rank
+   0 asks every client to claim (an init RPC with ``claim`` set), and a client may stand for
+   several servers (vLLM's Ray client over several actors, a client over several URLs), so the
+   engines number themselves; trainer rank 0 orders the claims (`order_engines`) and every
+   worker reads its engine index from ``vllm_engine_order``;
 1. every trainer rank publishes its pieces under `train_rank_key` (side-local ranks);
 2. trainer rank 0 merges them into ``training_params_meta`` (`collect_training`);
 3. every worker reads ``training_params_meta`` (the checkpoint names, shapes and dtypes it will
@@ -25,11 +30,14 @@ the pair, the KV store and who did not publish.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from awex_fast.meta import MetadataError, ParameterMeta, merge_metas
-from awex_fast.net import KVStoreClient, KVTimeoutError
+from awex_fast.net import KVKeyError, KVStoreClient, KVTimeoutError
 from awex_fast.sync import (
     decode_side_metas,
     encode_side_metas,
@@ -40,11 +48,20 @@ from awex_fast.sync import (
 )
 
 __all__ = [
+    "ENGINES_SET",
+    "ENGINE_ORDER_KEY",
+    "EngineClaim",
     "WorkerInitError",
+    "claim_engine",
+    "claim_failed",
     "collect_inference",
     "collect_training",
     "engine_errors",
+    "engine_index",
     "engine_sizes",
+    "fp8_targets",
+    "order_engines",
+    "publish_fp8_targets",
     "publish_training_rank",
     "publish_worker",
     "publish_worker_error",
@@ -58,6 +75,78 @@ __all__ = [
 
 class WorkerInitError(RuntimeError):
     """A vLLM worker could not join: its layout, its metadata or its transfer group failed."""
+
+
+ENGINES_SET = "vllm_engines"  # members "<client index, 6 digits>-<engine token>"
+ENGINE_ORDER_KEY = "vllm_engine_order"  # [token, ...]: engine e is the e-th
+
+
+@dataclass(frozen=True)
+class EngineClaim:
+    """One vLLM engine that answered the claim: behind which client, its token, its size, its
+    data-parallel replica in its server, and where its first worker runs (for error messages)."""
+
+    client: int
+    token: str
+    size: int
+    host: str
+    pid: int
+    replica: int = 0
+
+    def name(self, client: str, alone: bool) -> str:
+        """How errors name this engine: its client's name, and where that client stands for
+        several engines (replicas, servers), which one."""
+        if alone:
+            return client
+        return f"{client} (data-parallel replica {self.replica}, worker 0 pid {self.pid} on {self.host})"
+
+
+def claim_engine(kv: KVStoreClient, pair: str, client: int, token: str, size: int, replica: int = 0) -> None:
+    """Step 0 (worker 0 of an engine): claim a place for this engine behind client ``client``."""
+    kv.put(pair, f"vllm_claim_{token}", {"client": int(client), "size": int(size), "replica": int(replica),
+                                         "host": socket.gethostname(), "pid": os.getpid()})
+    kv.add_to_set(pair, ENGINES_SET, f"{int(client):06d}-{token}")
+
+
+def claim_failed(kv: KVStoreClient, pair: str, client: int, who: str, error: BaseException) -> None:
+    """Step 0, where a worker could not claim its engine's place: say so, so that the trainer
+    refuses the join instead of updating the other engines and labelling a server one of whose
+    replicas never joined (it would serve the old weights under the new label)."""
+    token = f"failed{os.getpid()}"
+    kv.put(pair, f"vllm_claim_{token}", {"failed": f"{who}: {type(error).__name__}: {error}"})
+    kv.add_to_set(pair, ENGINES_SET, f"{int(client):06d}-{token}")
+
+
+def order_engines(kv: KVStoreClient, pair: str, clients: Sequence[str]) -> list[EngineClaim]:
+    """Step 0 (trainer rank 0, after every client's claim RPC returned): the engines in order
+    (by client, replica, then token), published as ``vllm_engine_order``. A client behind which no
+    engine claimed a place raises `WorkerInitError` naming it."""
+    claims = []
+    for member in kv.set_members(pair, ENGINES_SET):
+        client, _, token = member.partition("-")
+        value = kv.get(pair, f"vllm_claim_{token}")
+        if "failed" in value:
+            raise WorkerInitError(f"a vLLM engine behind {clients[int(client)]} could not claim its place, "
+                                  f"so it would not receive the round: {value['failed']}")
+        claims.append(EngineClaim(int(client), token, int(value["size"]), str(value["host"]),
+                                  int(value["pid"]), int(value.get("replica", 0))))
+    claims.sort(key=lambda e: (e.client, e.replica, e.token))
+    silent = [name for c, name in enumerate(clients) if not any(e.client == c for e in claims)]
+    if silent:
+        raise WorkerInitError(f"no vLLM engine behind {', '.join(silent)} answered awex_fast's claim: "
+                              "is the server's --weight-transfer-config backend awex_fast?")
+    kv.put(pair, ENGINE_ORDER_KEY, [e.token for e in claims])
+    return claims
+
+
+def engine_index(kv: KVStoreClient, pair: str, token: str, timeout_s: float) -> tuple[int, int]:
+    """Step 0 (every worker): (this engine's index, the number of engines)."""
+    order = wait_value(kv, pair, ENGINE_ORDER_KEY, timeout_s, step="learn the engine order",
+                       who="trainer rank 0", rank=0)
+    if token not in order:
+        raise WorkerInitError(f"this engine (token {token}) is not in the engine order {order}: its claim "
+                              "came after trainer rank 0 counted the engines")
+    return order.index(token), len(order)
 
 
 def train_rank_key(rank: int) -> str:
@@ -123,9 +212,11 @@ def _worker_value(kv: KVStoreClient, pair: str, engine: int, rank: int, deadline
     return _one_group(value, "inference", who)
 
 
-def collect_inference(kv: KVStoreClient, pair: str, engines: Sequence[str], timeout_s: float) -> list[int]:
+def collect_inference(kv: KVStoreClient, pair: str, engines: Sequence[str], timeout_s: float,
+                      check: Callable[[list[int]], None] | None = None) -> list[int]:
     """Step 4 (trainer rank 0): merge each engine's workers' pieces (``engines`` names them, in
-    order, for error messages), publish ``infer_params_meta``; returns the engine sizes."""
+    order, for error messages), publish ``infer_params_meta``; returns the engine sizes.
+    ``check`` may refuse the sizes (raise) before anything is published."""
     deadline = time.monotonic() + timeout_s
     sizes, groups = [], []
     for e, where in enumerate(engines):
@@ -139,6 +230,8 @@ def collect_inference(kv: KVStoreClient, pair: str, engines: Sequence[str], time
             metas.append(m)
         sizes.append(size)
         groups.append(merge_metas(metas))
+    if check is not None:
+        check(sizes)
     publish_side(kv, pair, "inference", groups, sizes)
     return sizes
 
@@ -189,3 +282,31 @@ def worker_errors(kv: KVStoreClient, pair: str, sizes: Sequence[int], engines: S
                   timeout_s: float) -> list[str]:
     """`engine_errors`, all engines' messages in one list (empty when every worker succeeded)."""
     return [m for errors in engine_errors(kv, pair, sizes, engines, what, timeout_s) for m in errors]
+
+
+def _fp8_key(engine: int) -> str:
+    return f"vllm_fp8_targets_e{int(engine)}"
+
+
+def publish_fp8_targets(kv: KVStoreClient, pair: str, engine: int, targets: dict[str, Sequence[int]]) -> None:
+    """Worker 0 of an engine, after its layout: the checkpoint weights its model holds in block
+    FP8 and their block size (`awex_fast.vllm.fp8_layout`)."""
+    kv.put(pair, _fp8_key(engine), {name: [int(b) for b in block] for name, block in targets.items()})
+
+
+def fp8_targets(kv: KVStoreClient, pair: str, engines: int) -> dict[str, tuple[int, int]]:
+    """Every trainer rank, after a join: the block-FP8 weights of all engines (name -> block). Two
+    engines that quantize one name with different blocks are refused: one trainer-side scale
+    cannot serve both."""
+    out: dict[str, tuple[int, int]] = {}
+    for e in range(engines):
+        try:
+            value = kv.get(pair, _fp8_key(e))
+        except KVKeyError:
+            continue
+        for name, block in value.items():
+            block = (int(block[0]), int(block[1]))
+            if out.setdefault(name, block) != block:
+                raise WorkerInitError(f"vLLM engines quantize {name!r} with blocks {out[name]} and {block}; "
+                                      "give them one FP8 format, or fp8_quantize='engine'")
+    return out

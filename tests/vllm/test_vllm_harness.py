@@ -2,7 +2,8 @@
 a server re-pointed at that checkpoint with vLLM's own loader agree bit for bit, and different
 weights are visible in the checksums and the greedy outputs.
 
-Needs vLLM (CPU build is enough) and about a minute: two TP=2 server starts of ~25 s each.
+The re-pointed server is the shared ``reference`` (tests/conftest.py), re-pointed at its own
+starting checkpoint first and then at another one (``b``); ``b`` gets a fresh server of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
+from conftest import DENSE_VOCAB
 from vllm_support import (
     VllmServer,
     checksums,
@@ -27,17 +29,17 @@ EMPTY_SHA = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
 @pytest.mark.timeout(600)
-def test_same_checkpoint_same_weights_and_tokens(tmp_path):
-    a = make_qwen2_checkpoint(tmp_path / "a", seed=1)
-    b = make_qwen2_checkpoint(tmp_path / "b", seed=2)
+def test_same_checkpoint_same_weights_and_tokens(dense, reference, tmp_path):
+    _, a, _ = dense  # the reference server started from `a`
+    b = make_qwen2_checkpoint(tmp_path / "b", seed=2, kv_heads=1, vocab=DENSE_VOCAB)
 
-    # Server 1: start from `a`, then re-point at `b` with vLLM's loader (in-place reload).
-    with VllmServer(a, log_path=tmp_path / "s1.log") as s1:
-        ck_a = checksums(s1.url)
-        out_a = greedy(s1.url, PROMPTS, 6)
-        reload_from_checkpoint(s1.url, b)
-        ck_a_then_b = checksums(s1.url)
-        out_a_then_b = greedy(s1.url, PROMPTS, 6)
+    # Server 1: back at `a` (earlier tests re-pointed it), then re-pointed at `b` (in-place reload).
+    reload_from_checkpoint(reference.url, a)
+    ck_a = checksums(reference.url)
+    out_a = greedy(reference.url, PROMPTS, 6)
+    reload_from_checkpoint(reference.url, b)
+    ck_a_then_b = checksums(reference.url)
+    out_a_then_b = greedy(reference.url, PROMPTS, 6)
 
     # Server 2: fresh from `b`.
     with VllmServer(b, log_path=tmp_path / "s2.log") as s2:

@@ -1,0 +1,141 @@
+"""Block FP8 quantization as vLLM does it, computed piece by piece where the pieces live.
+
+vLLM's block-quantized FP8 checkpoints (DeepSeek-V3 / Qwen3-FP8 style, ``weight_block_size``
+[128, 128]) hold each linear weight ``W`` [N, K] as ``weight`` in ``float8_e4m3fn`` and
+``weight_scale_inv`` in float32, one scale per block, [ceil(N / 128), ceil(K / 128)]. vLLM's own
+quantizer (``vllm.utils.deep_gemm.per_block_cast_to_fp8``) takes, per block, the largest
+magnitude in float32 (``amax``), clamps it to at least 1e-4, divides by 448 (the largest e4m3
+value) for the scale, and casts ``value * (1 / scale)`` (float32) to e4m3.
+
+A trainer never holds ``W`` whole: its shards cut through blocks (FSDP2 row shards of 171 rows,
+TP column shards). Max is exact, so each holder computes the amax of the part of each block it
+holds (`piece_amax`), the holders combine those by max (`merge_amax`; on the trainer ranks a
+MAX all-reduce of the tiny per-block tensor), and every piece is then quantized with the scale
+the whole block has (`quantize_piece`): the pieces put together are bit for bit what the
+quantizer makes of the full tensor, and nothing was gathered. `quantize_full` is the same on one
+tensor (the receiver-side route, and a self-check).
+
+A weight with a non-finite element has no scale: `QuantizationError` names the tensor and the
+block before anything is produced from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AMAX_FLOOR", "FP8_DTYPE", "FP8_MAX", "BlockGrid", "QuantizationError", "merge_amax",
+           "piece_amax", "quantize_full", "quantize_piece", "scales_from_amax"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+AMAX_FLOOR = 1e-4  # vLLM's clamp: an all-zero block still gets a finite, non-zero scale
+
+
+class QuantizationError(ValueError):
+    """A tensor cannot be block-quantized as asked (its layout, or a non-finite value); the
+    message names the tensor and the block."""
+
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """The block grid of one 2-D tensor: ``shape`` [N, K] cut into ``block`` [bn, bk] blocks
+    (the last row / column of blocks may be partial)."""
+
+    name: str
+    shape: tuple[int, int]
+    block: tuple[int, int] = (128, 128)
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 2 or len(self.block) != 2:
+            raise QuantizationError(f"{self.name}: block FP8 needs a 2-D tensor and a 2-D block, got shape "
+                                    f"{tuple(self.shape)} and block {tuple(self.block)}")
+        if min(self.block) < 1 or min(self.shape) < 1:
+            raise QuantizationError(f"{self.name}: shape {tuple(self.shape)} / block {tuple(self.block)} "
+                                    "must be positive")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(block rows, block columns): the shape of the scale tensor."""
+        return (math.ceil(self.shape[0] / self.block[0]), math.ceil(self.shape[1] / self.block[1]))
+
+    def blocks_of(self, offset: Sequence[int], shape: Sequence[int]) -> tuple[range, range]:
+        """The block rows and columns a box ``[offset, offset + shape)`` of the tensor touches."""
+        (r0, c0), (rows, cols) = offset, shape
+        if rows < 1 or cols < 1 or r0 < 0 or c0 < 0 or r0 + rows > self.shape[0] or c0 + cols > self.shape[1]:
+            raise QuantizationError(f"{self.name}: box {tuple(offset)}+{tuple(shape)} is outside "
+                                    f"{tuple(self.shape)}")
+        bn, bk = self.block
+        return range(r0 // bn, (r0 + rows - 1) // bn + 1), range(c0 // bk, (c0 + cols - 1) // bk + 1)
+
+
+def _check_piece(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid) -> tuple[range, range]:
+    if piece.dim() != 2:
+        raise QuantizationError(f"{grid.name}: a piece must be 2-D, got {tuple(piece.shape)}")
+    if not piece.is_floating_point():
+        raise QuantizationError(f"{grid.name}: pieces are quantized from a floating dtype, got {piece.dtype}")
+    return grid.blocks_of(offset, piece.shape)
+
+
+def piece_amax(piece: torch.Tensor, offset: Sequence[int],
+               grid: BlockGrid) -> tuple[tuple[int, int], torch.Tensor]:
+    """The largest magnitude (float32) of ``piece`` (the box of the tensor at ``offset``) in each
+    block it touches: (first block (row, column), amax [block rows, block columns]). Blocks the
+    piece only partly covers get the amax of that part; `merge_amax` combines the parts."""
+    rows_b, cols_b = _check_piece(piece, offset, grid)
+    bn, bk = grid.block
+    (r0, c0), (rows, cols) = offset, piece.shape
+    top, left = r0 - rows_b.start * bn, c0 - cols_b.start * bk
+    # the piece laid out over whole blocks, zeros elsewhere (|x| >= 0, so zeros change no max)
+    padded = torch.zeros(len(rows_b) * bn, len(cols_b) * bk, dtype=torch.float32, device=piece.device)
+    padded[top:top + rows, left:left + cols] = piece.detach().abs().float()
+    amax = padded.view(len(rows_b), bn, len(cols_b), bk).amax(dim=(1, 3))
+    if not bool(torch.isfinite(amax).all()):
+        i, j = (int(x) for x in (~torch.isfinite(amax)).nonzero()[0])
+        raise QuantizationError(f"{grid.name}: block ({rows_b.start + i}, {cols_b.start + j}) holds a "
+                                "non-finite value; it has no FP8 scale")
+    return (rows_b.start, cols_b.start), amax
+
+
+def merge_amax(grid: BlockGrid, parts: Iterable[tuple[tuple[int, int], torch.Tensor]]) -> torch.Tensor:
+    """The whole tensor's per-block amax from the parts' (`piece_amax`), by max (exact). Blocks no
+    part touches stay 0 (their scale is then the floor's)."""
+    full = torch.zeros(grid.grid, dtype=torch.float32)
+    for (i, j), amax in parts:
+        view = full[i:i + amax.shape[0], j:j + amax.shape[1]]
+        torch.maximum(view, amax.to(full.device), out=view)
+    return full
+
+
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """vLLM's scale (``weight_scale_inv``) of each block: max(amax, 1e-4) / 448, in float32."""
+    return amax.float().clamp(AMAX_FLOOR) / FP8_MAX
+
+
+def quantize_piece(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
+                   scales: torch.Tensor) -> torch.Tensor:
+    """``piece`` (the box of the tensor at ``offset``) in e4m3, each element multiplied by the
+    reciprocal of its block's scale in float32 (``scales``: the whole grid's, or any part of it
+    that starts at block (0, 0)), as vLLM's quantizer does to the full tensor."""
+    rows_b, cols_b = _check_piece(piece, offset, grid)
+    if scales.dim() != 2 or scales.shape[0] < rows_b.stop or scales.shape[1] < cols_b.stop:
+        raise QuantizationError(f"{grid.name}: scales {tuple(scales.shape)} do not reach the blocks of box "
+                                f"{tuple(offset)}+{tuple(piece.shape)} (grid {grid.grid})")
+    bn, bk = grid.block
+    (r0, c0), (rows, cols) = offset, piece.shape
+    inverse = (1.0 / scales.float()).to(piece.device)
+    block_row = torch.arange(r0, r0 + rows, device=piece.device) // bn
+    block_col = torch.arange(c0, c0 + cols, device=piece.device) // bk
+    return (piece.detach().float() * inverse[block_row][:, block_col]).to(FP8_DTYPE)
+
+
+def quantize_full(weight: torch.Tensor, name: str = "weight",
+                  block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scales) of a whole 2-D tensor: what ``per_block_cast_to_fp8``
+    returns for it."""
+    grid = BlockGrid(name, (int(weight.shape[0]), int(weight.shape[1])), tuple(block))  # type: ignore[arg-type]
+    scales = scales_from_amax(merge_amax(grid, [piece_amax(weight, (0, 0), grid)]))
+    return quantize_piece(weight, (0, 0), grid, scales), scales

@@ -1,0 +1,66 @@
+"""`WeightSource`s the vLLM tests train with, as vLLM users write them: a dict of tensors the
+trainer replaces between steps, and a safetensors checkpoint streamed from disk and re-published
+with ``os.replace``. Import only after ``pytest.importorskip("vllm")``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+
+class DictSource(WeightSource):
+    """A `WeightSource` over a dict of tensors, which the trainer replaces between rounds."""
+
+    def __init__(self, tensors: dict) -> None:
+        self.tensors = tensors
+
+    def metadata(self) -> list:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self):
+        yield from self.tensors.items()
+
+
+class CheckpointSource(WeightSource):
+    """Streams a safetensors file, opened again on every pass (so a re-published file is seen)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def metadata(self) -> list:
+        import torch
+        from safetensors import safe_open
+
+        dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
+        with safe_open(self.path, framework="pt") as f:
+            return [ParamMeta(n, dtypes[f.get_slice(n).get_dtype()], tuple(f.get_slice(n).get_shape()))
+                    for n in f.keys()]  # noqa: SIM118 - safe_open is not iterable
+
+    def __iter__(self):
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            for n in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                yield n, f.get_tensor(n)
+
+
+def publish(state: dict, path: str) -> None:
+    """Write a checkpoint as a checkpoint writer does: readers see the old or the new file."""
+    from safetensors.torch import save_file
+
+    tmp = path + ".tmp"
+    save_file(state, tmp)
+    os.replace(tmp, path)
+
+
+def save_bf16(state: dict, config_dir: str, out: str) -> None:
+    """The oracle checkpoint of ``state`` in the served dtype (bfloat16), with the model's config."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(config_dir, "config.json"), out)
+    save_file({n: t.to(torch.bfloat16).contiguous() for n, t in state.items()},
+              os.path.join(out, "model.safetensors"))
