@@ -75,16 +75,17 @@ def http_detail(exc: BaseException) -> str:
 
 
 def call_all(pool: ThreadPoolExecutor, clients: list, what: str, call: Callable[[Any], Any],
-         timeout: float) -> None:
+             timeout: float) -> list[str | None]:
+    """``call`` on every client at once; per client, its error (naming the server) or None."""
     futures = [(client_name(c), pool.submit(call, c)) for c in clients]
-    errors = []
+    errors: list[str | None] = []
     for where, fut in futures:
         try:
             result(fut, where, what, timeout)
+            errors.append(None)
         except SendError as exc:
             errors.append(str(exc))
-    if errors:
-        raise SendError("; ".join(errors))
+    return errors
 
 
 def collect_or_fail(kv: KVStoreClient, pair: str, engines: list[str], inits: list[tuple[str, Future]],
@@ -92,13 +93,13 @@ def collect_or_fail(kv: KVStoreClient, pair: str, engines: list[str], inits: lis
     """Rank 0: merge the workers' metadata; if a worker's init RPC fails first (an unknown
     backend, a bad request), raise that instead of waiting out the timeout."""
     done = threading.Event()
-    result: dict[str, Any] = {}
+    outcome: dict[str, Any] = {}
 
     def collect() -> None:
         try:
-            result["sizes"] = rendezvous.collect_inference(kv, pair, engines, timeout, check)
+            outcome["sizes"] = rendezvous.collect_inference(kv, pair, engines, timeout, check)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            result["error"] = exc
+            outcome["error"] = exc
         done.set()
 
     threading.Thread(target=collect, daemon=True, name="awex-collect").start()
@@ -106,9 +107,9 @@ def collect_or_fail(kv: KVStoreClient, pair: str, engines: list[str], inits: lis
         for where, fut in inits:
             if fut.done() and fut.exception() is not None:
                 result(fut, where, "init_weight_transfer_engine", timeout)
-    if "error" in result:
-        raise result["error"]
-    return result["sizes"]
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["sizes"]
 
 
 def numeric_label(label: object) -> int | None:

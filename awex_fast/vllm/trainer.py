@@ -26,6 +26,7 @@ group first.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -75,6 +76,8 @@ from awex_fast.vllm.worker import AwexFastWorkerInitInfo
 
 __all__ = ["AwexFastTrainerInitInfo", "AwexFastTrainerWeightTransferEngine", "SendError", "ShardedSource"]
 
+logger = logging.getLogger(__name__)
+
 # How long rank 0 waits for the workers' round reports once every update RPC returned (a live
 # worker writes its report before its RPC returns; only a dead server's never come).
 _REPORT_GRACE_S = 10.0
@@ -110,6 +113,10 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         self.engines: list[rendezvous.EngineClaim] = []  # rank 0: every engine, in transfer order
         self.last_round: dict[str, Any] = {}
         self.hold = GenerationHold()  # engines paused after a round left their weights mixed
+        # clients whose vLLM weight-update session this rank opened and has not closed: vLLM
+        # refuses to shut the connection down inside one, and (0.32's multiprocess executor)
+        # a refusal on worker 0 leaves the other workers' replies queued for the next RPC
+        self._open_sessions: set[int] = set()
 
     # --- init -----------------------------------------------------------------------------------
 
@@ -459,7 +466,17 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         names, clients = self._engine_names(), self._client_names()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             t0 = time.perf_counter()
-            call_all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(), timeout)
+            leftover = self._close_sessions(pool, timeout)  # a round that failed before its finish
+            if leftover:
+                raise SendError(f"round {label}: nothing was sent{leftover}", version=rnd)
+            started = call_all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(),
+                               timeout)
+            self._open_sessions.update(i for i, error in enumerate(started) if error is None)
+            if any(started):
+                closing = self._close_sessions(pool, timeout)
+                why = "; ".join(e for e in started if e)
+                raise SendError(f"round {label}: {why}; nothing was sent (every engine keeps its previous "
+                                f"weights and version{closing})", version=rnd)
             t1 = time.perf_counter()
             updates = [(name, pool.submit(c.update_weights, {"version": rnd}))
                        for name, c in zip(clients, self.clients, strict=True)]
@@ -494,9 +511,10 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             # under their previous label, and the error says so)
             finishes = [pool.submit(c.finish_weight_update, None if errors else label)
                         for c, errors in zip(self.clients, failures, strict=True)]
-            for where, fut, errors in zip(clients, finishes, failures, strict=True):
+            for i, (where, fut, errors) in enumerate(zip(clients, finishes, failures, strict=True)):
                 try:
                     result(fut, where, "finish_weight_update", timeout)
+                    self._open_sessions.discard(i)
                 except SendError as exc:  # its label is unknown now: count it as failed
                     errors.append(str(exc))
             t4 = time.perf_counter()
@@ -516,12 +534,33 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - t1, "finish_s": t4 - t3,
                 "bytes_sent": sent}
 
+    def _close_sessions(self, pool: ThreadPoolExecutor, timeout: float) -> str:
+        """Close, unlabelled, every vLLM session this rank left open (a round that failed before
+        its finish); returns a note naming the servers where closing failed, or ""."""
+        opened = sorted(self._open_sessions)
+        finishes = [pool.submit(self.clients[i].finish_weight_update, None) for i in opened]
+        failed = []
+        for i, fut in zip(opened, finishes, strict=True):
+            try:
+                result(fut, client_name(self.clients[i]), "finish_weight_update", timeout)
+                self._open_sessions.discard(i)
+            except SendError as exc:
+                failed.append(str(exc))
+        return f"; closing the session failed: {'; '.join(failed)}" if failed else ""
+
     def shutdown(self) -> None:
         """Leave the transfer group and stop the KV store this rank hosts."""
         if self.adapter is not None:
             self.adapter.teardown_weight_update_group()
         if self.is_sender:
-            for c in self.clients:
+            if self._open_sessions:
+                with ThreadPoolExecutor(max_workers=len(self._open_sessions)) as pool:
+                    note = self._close_sessions(pool, self.info.timeout_s if self.info else 60.0)
+                if note:
+                    logger.warning("awex_fast: at shutdown%s", note)
+            for i, c in enumerate(self.clients):
+                if i in self._open_sessions:  # vLLM would refuse, and its replies would shift
+                    continue
                 stop = getattr(c, "shutdown_weight_transfer_engine", None)
                 if stop is not None:
                     with contextlib.suppress(Exception):  # a dead server has nothing to shut down

@@ -261,3 +261,90 @@ def test_a_draft_weight_session_is_refused_and_the_server_keeps_working(dense):
     for _ in range(3):  # a stale reply would fail one of these
         assert checksums(srv.url) == before
     assert len(greedy(srv.url, PROMPTS[:1], 2)[0][0]) == 2
+
+
+def _rounds_past_a_dead_server(rank: int, world_size: int, urls: list[str], model_dir: str,
+                               out_dir: str) -> dict:
+    """Round 1 into both servers (one client each). Then, once the test has killed the second
+    server (it answers ``out_dir/round1`` with ``out_dir/killed``), round 2, whose start fails
+    there; then a trainer over the first server alone sends round 3. Returns each round's error
+    (None when it landed), how long round 2 took to fail, and what the first server served."""
+    import time
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from awex_fast.vllm import AwexFastTrainerInitInfo, SendError
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    info = AwexFastTrainerInitInfo(rank=0, timeout_s=60)
+    source = DictSource(_step_state(base, 31))
+    save_bf16(source.tensors, model_dir, os.path.join(out_dir, "w1"))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=[HTTPVLLMWeightSyncClient(u) for u in urls], source=source)
+    engine.send_weights()
+    got: dict = {"round1": _served(urls[0])}
+    Path(out_dir, "round1").touch()
+    deadline = time.monotonic() + 120
+    while not Path(out_dir, "killed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    source.tensors = _step_state(base, 32)
+    t0 = time.monotonic()
+    try:
+        engine.send_weights()
+        got["error2"] = None
+    except SendError as exc:
+        got["error2"] = str(exc)
+    got["fail2_s"] = time.monotonic() - t0
+    got["round2"] = _served(urls[0])
+    engine.shutdown()
+    source = DictSource(_step_state(base, 33))
+    save_bf16(source.tensors, model_dir, os.path.join(out_dir, "w3"))
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(urls[0]),
+                                                       source=source)
+    engine.send_weights()
+    got["round3"] = _served(urls[0])
+    engine.shutdown()
+    return got
+
+
+def test_a_server_gone_before_the_start_fails_the_round_and_the_other_is_left_whole(
+        dense, second, reference, tmp_path):
+    """Runs last in this module (it kills ``second``). Round 1 lands on both servers; the second
+    one is then killed, so round 2's ``start_weight_update`` fails there while the first server's
+    succeeds. The round fails at once naming the dead server, nothing is sent, and the first
+    server's vLLM session is closed again (vLLM refuses to start another, or to shut the trainer
+    connection down, inside an open one): it still serves round 1, and a new trainer over it
+    alone lands round 3, each equal to vLLM loading that round's checkpoint."""
+    import threading
+    import time
+
+    _, model, srv = dense
+    out = tmp_path / "dead"
+    out.mkdir()
+
+    def kill_after_round1() -> None:
+        deadline = time.monotonic() + 600
+        while not (out / "round1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second.kill()
+        (out / "killed").touch()
+
+    killer = threading.Thread(target=kill_after_round1, daemon=True)
+    killer.start()
+    got = run_world(_rounds_past_a_dead_server, 1, [srv.url, second.url], str(model), str(out),
+                    timeout=600, backend=None)[0]
+    killer.join(60)
+    error = got["error2"]
+    assert error is not None and second.url in error and "start_weight_update" in error, error
+    assert "nothing was sent" in error and "closing the session failed" not in error, error
+    assert got["fail2_s"] < 30, got["fail2_s"]
+    assert got["round2"]["label"] == got["round1"]["label"]
+    reload_from_checkpoint(reference.url, out / "w1")
+    _same_as_reference(reference.url, got["round1"], "round 1")
+    _same_as_reference(reference.url, got["round2"], "after the failed round 2")
+    reload_from_checkpoint(reference.url, out / "w3")
+    _same_as_reference(reference.url, got["round3"], "round 3 on the first server alone")
