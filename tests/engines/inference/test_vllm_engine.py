@@ -509,9 +509,15 @@ def test_a_server_killed_mid_round_fails_it_naming_the_server_and_the_other_stay
                               args=(victim, starts + 1, tmp_path / "sending5"))
     killer.start()
     results: list = []
-    trainer = threading.Thread(target=lambda: results.append(run_world(
-        _trainer, 2, cluster.urls, cluster.ck_a, str(tmp_path), [[4, [0, 1]], [5, [0, 1]], [6, [0]]],
-        timeout=600)[0]))
+
+    def train() -> None:
+        try:
+            results.append(run_world(_trainer, 2, cluster.urls, cluster.ck_a, str(tmp_path),
+                                     [[4, [0, 1]], [5, [0, 1]], [6, [0]]], timeout=600)[0])
+        except BaseException as exc:  # raised in the test below, with the survivor's log
+            results.append(exc)
+
+    trainer = threading.Thread(target=train)
     trainer.start()
     assert engine.update_weights(WeightUpdateMeta(type="awex", version=4)).result(timeout=600)
     fut = engine.update_weights(WeightUpdateMeta(type="awex", version=5))
@@ -521,6 +527,9 @@ def test_a_server_killed_mid_round_fails_it_naming_the_server_and_the_other_stay
     killer.join(60)
     trainer.join(600)
     assert victim.proc is None, "the server was never killed"
+    if isinstance(results[0], BaseException):
+        raise AssertionError(f"the trainer failed; the survivor's log ends:\n{survivor.log_tail(6000)}") \
+            from results[0]
     r4, r5, r6 = results[0]
     assert r4["error"] is None and r6["error"] is None
     assert r5["error"] is not None and victim.url in r5["error"], r5["error"]
