@@ -164,47 +164,6 @@ def make_qwen3_moe_checkpoint(
     return _save(model, path)
 
 
-FP8_BLOCK = (128, 128)
-FP8_LINEARS = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
-               ".gate_proj.weight", ".up_proj.weight", ".down_proj.weight")
-
-
-def fp8_checkpoint(state: Mapping[str, Any], config_dir: str | os.PathLike[str],
-                   out: str | os.PathLike[str], dequantized: str | os.PathLike[str] | None = None) -> str:
-    """Write ``state`` (any float dtype) as a block-FP8 checkpoint the way FP8 releases are made:
-    every decoder linear weight through vLLM's own quantizer (``per_block_cast_to_fp8``, blocks
-    128 x 128: ``weight`` e4m3 + ``weight_scale_inv`` float32), the rest in bfloat16, and the
-    config's ``quantization_config`` saying so. ``dequantized``: also write the bfloat16
-    checkpoint of what the FP8 model computes with (each weight times its block scale)."""
-    import torch
-    from safetensors.torch import save_file
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-    fp8, plain = {}, {}
-    for name, t in state.items():
-        if name.endswith(FP8_LINEARS):
-            q, s = per_block_cast_to_fp8(t, block_size=list(FP8_BLOCK), use_ue8m0=False)
-            fp8[name], fp8[name + "_scale_inv"] = q.contiguous(), s.float().contiguous()
-            n, k = q.shape
-            scale = s.float().repeat_interleave(FP8_BLOCK[0], 0)[:n].repeat_interleave(FP8_BLOCK[1], 1)[:, :k]
-            plain[name] = (q.float() * scale).to(torch.bfloat16)
-        else:
-            fp8[name] = plain[name] = t.to(torch.bfloat16).contiguous()
-    cfg = json.loads((Path(config_dir) / "config.json").read_text())
-    for target, tensors, quantized in ((out, fp8, True), (dequantized, plain, False)):
-        if target is None:
-            continue
-        Path(target).mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(Path(target) / "model.safetensors"))
-        c = dict(cfg)
-        c.pop("quantization_config", None)
-        if quantized:
-            c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                        "weight_block_size": list(FP8_BLOCK)}
-        (Path(target) / "config.json").write_text(json.dumps(c, indent=2))
-    return str(out)
-
-
 def make_fp8_qwen2_checkpoint(path: str | os.PathLike[str], *, seed: int,
                               dequantized: str | os.PathLike[str] | None = None) -> str:
     """A tiny random Qwen2 whose every linear can be block-FP8 at TP=2 (each rank's q / k / v /
@@ -213,6 +172,8 @@ def make_fp8_qwen2_checkpoint(path: str | os.PathLike[str], *, seed: int,
     ``path``/bf16."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from awex_fast.vllm.fp8_checkpoint import fp8_checkpoint
 
     base = make_qwen2_checkpoint(Path(path) / "bf16", seed=seed, hidden=512, heads=4, kv_heads=2,
                                  intermediate=512)

@@ -21,6 +21,19 @@ specs and results, no pickle). Routes, interleaved per iteration (iteration 0 is
   same bytes as one contiguous gloo message, between the trainer ranks and ``--tp`` stand-in
   receiver processes (vLLM's workers cannot run foreign code on request).
 
+With ``--quant fp8`` the server serves a block-FP8 checkpoint (`awex_fast.vllm.fp8_checkpoint`;
+on a CPU without AMX through `awex_fast.vllm.cpu_fp8`'s fallback kernel, switched on for the
+server) and the routes are:
+
+* ``awex_fast``: the trainer ranks quantize their shards (``fp8_quantize="trainer"``): e4m3 and
+  float32 scales on the wire;
+* ``awex_fast_receiver``: the training dtype on the wire, each worker quantizing what it received
+  (``fp8_quantize="engine"``; float32, since quantizing bf16-rounded values would not equal vLLM's
+  quantizer applied to the trainer's weights);
+* ``raw``: the transport bound of the ``awex_fast`` route's bytes;
+* ``bf16``: ``awex_fast`` into a bfloat16 server of the same shape (a second server, started once
+  the FP8 one is gone), for the bytes and seconds FP8 saves.
+
 Phases: ``transfer`` is everything before vLLM's finalize (start + update RPCs, including the
 trainer's gathers and the workers' ``load_weights``), ``finalize`` is vLLM's
 ``finalize_layerwise_reload`` (CPU repacking) as the ``finish_weight_update`` RPC times it, which
@@ -48,7 +61,8 @@ from typing import Any
 from awex_fast.net import free_port
 
 ROUTES = ("awex_fast", "broadcast", "disk", "raw")
-_HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-7b": 28, "qwen2.5-72b": 64}
+FP8_ROUTES = ("awex_fast", "awex_fast_receiver", "raw", "bf16")
+_HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-1.5b": 12, "qwen2.5-7b": 28, "qwen2.5-72b": 64}
 
 
 # --- parent ---------------------------------------------------------------------------------------
@@ -67,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks")
     p.add_argument("--dtype", default="bfloat16", help="vLLM dtype")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--methods", default=",".join(ROUTES), help="comma list of " + ", ".join(ROUTES))
+    p.add_argument("--methods", default=None,
+                   help=f"comma list of {', '.join(ROUTES)} (with --quant fp8: {', '.join(FP8_ROUTES)}); "
+                        "default: all")
+    p.add_argument("--quant", default="none", choices=["none", "fp8"],
+                   help="fp8: serve a block-FP8 checkpoint and time the FP8 routes (module docstring)")
     p.add_argument("--transport", default="gloo", choices=["gloo", "ipc"],
                    help="awex_fast's and raw's transport (broadcast is vLLM's algorithm on gloo)")
     p.add_argument("--buffer-mb", type=int, default=1024, help="broadcast bucket (vLLM's default 1 GiB)")
@@ -113,13 +131,28 @@ def write_checkpoint(path: Path, model: str, layers: int | None, dtype: str,
     return config
 
 
+def write_fp8_checkpoint(bf16_dir: Path, path: Path, tp: int) -> None:
+    """The block-FP8 checkpoint of the bfloat16 one in ``bf16_dir`` (`awex_fast.vllm.fp8_checkpoint`);
+    refuses a shape whose TP-``tp`` shards vLLM cannot serve block-quantized, naming the tensors."""
+    from safetensors.torch import load_file
+
+    from awex_fast.vllm.fp8_checkpoint import fp8_checkpoint, misaligned_for_tp
+
+    state = load_file(str(bf16_dir / "model.safetensors"))
+    bad = misaligned_for_tp({n: tuple(t.shape) for n, t in state.items()}, tp)
+    if bad:
+        raise SystemExit(f"--quant fp8: this shape is not block-FP8 at TP{tp} ({'; '.join(bad[:3])}"
+                         f"{'; ...' if len(bad) > 3 else ''}); try --model qwen2.5-1.5b")
+    fp8_checkpoint(state, bf16_dir, path)
+
+
 def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
-                 timeout: float) -> tuple[subprocess.Popen, str]:
+                 timeout: float, env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server (dev mode), backend awex_fast, with the engine-switching extension."""
     import requests
 
     port = free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", **(env_extra or {}))
     cpus = os.cpu_count() or tp
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
         f"{i * cpus // tp}-{(i + 1) * cpus // tp - 1}" if cpus // tp > 1 else str(i * cpus // tp)
@@ -182,7 +215,8 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
     for name, its in result["times"].items():
         med = {k: statistics.median(v) if (v := [it[k] for it in its if it.get(k) is not None]) else None
                for k in its[0]}
-        routes[name] = {"iters": its, **{k if k.endswith("_s") else f"{k}_s": v for k, v in med.items()}}
+        routes[name] = {"iters": its, **{k if k.endswith("_s") or k == "wire_bytes" else f"{k}_s": v
+                                         for k, v in med.items()}}
     fin = [r["finalize_s"] for n, r in routes.items() if n != "disk" and r.get("finalize_s") is not None]
     if "disk" in routes and fin:
         routes["disk"]["finalize_s"] = None
@@ -191,14 +225,14 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
     if raw is not None:
         per = [max(r["times"][i] for r in raw["ranks"]) for i in range(spec["iters"])]
         routes["raw"] = {"iters": per, "transfer_s": statistics.median(per), "finalize_s": None,
-                         "total_s": statistics.median(per), "bytes": raw["bytes"]}
+                         "total_s": statistics.median(per), "bytes": raw["bytes"], "wire_bytes": raw["bytes"]}
     nbytes = result["model_bytes"]
     for r in routes.values():
         r["GBps"] = nbytes / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
     ours = routes.get("awex_fast")
     ratios: dict[str, float] = {}
     if ours:
-        for other in ("broadcast", "disk", "raw"):
+        for other in ("broadcast", "disk", "raw", "awex_fast_receiver", "bf16"):
             if other in routes:
                 ratios[f"transfer_vs_{other}"] = routes[other]["transfer_s"] / ours["transfer_s"]
                 if other != "raw":
@@ -211,8 +245,11 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
             ours[f"workers_{phase}"] = statistics.median(per) if per else None
         if "raw" in routes and ours.get("workers_receive_s"):
             ratios["receive_vs_raw"] = routes["raw"]["transfer_s"] / ours["workers_receive_s"]
-    keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb", "transport")
-    return {"layout": {k: spec[k] for k in keys},
+    if ours and ours.get("wire_bytes") and routes.get("bf16", {}).get("wire_bytes"):
+        ratios["wire_vs_bf16"] = ours["wire_bytes"] / routes["bf16"]["wire_bytes"]
+    keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb", "transport",
+            "quant")
+    return {"layout": {k: spec.get(k) for k in keys},
             "model_bytes": nbytes, "raw_bytes": raw["bytes"] if raw else None, "routes": routes,
             "ratios": ratios, "checksums_equal": result.get("checksums_equal"),
             "mismatches": result.get("mismatches", {}), "phases": result.get("phases", {})}
@@ -226,11 +263,12 @@ def print_table(summary: dict) -> None:
         from awex_fast.layouts import model_spec
 
         lay = {**lay, "layers": model_spec(lay["model"]).num_layers}
+    served = "block-FP8 (e4m3 + scales)" if lay.get("quant") == "fp8" else lay["dtype"]
     print(f"model={lay['model']}{tie} layers={lay['layers']} trainer=fsdp{lay['trainers']} (float32) -> vLLM "
-          f"TP{lay['tp']} ({lay['dtype']}), {summary['model_bytes'] / 1e9:.3f} GB in {lay['dtype']}, "
+          f"TP{lay['tp']} ({served}), {summary['model_bytes'] / 1e9:.3f} GB in {lay['dtype']}, "
           f"iters={lay['iters']}, awex_fast and raw over {lay.get('transport', 'gloo')}, median seconds")
-    print(f"{'route':10} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6}  route / awex_fast "
-          "(transfer, total)")
+    print(f"{'route':18} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6} {'wire MB':>8}  "
+          "route / awex_fast (transfer, total)")
     ours = summary["routes"].get("awex_fast")
     for name, r in summary["routes"].items():
         tr = ("~" if r.get("transfer_estimated") else "") + f"{r['transfer_s']:.3f}"
@@ -240,7 +278,8 @@ def print_table(summary: dict) -> None:
             ratio = f"{r['transfer_s'] / ours['transfer_s']:.2f}x"
             if name != "raw":
                 ratio += f", {r['total_s'] / ours['total_s']:.2f}x"
-        print(f"{name:10} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f}  {ratio}")
+        wire = f"{r['wire_bytes'] / 1e6:.1f}" if r.get("wire_bytes") else "-"
+        print(f"{name:18} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f} {wire:>8}  {ratio}")
     if ours and ours.get("workers_receive_s") is not None:
         split = ", ".join(f"{k.removeprefix('workers_').removesuffix('_s')} {ours[k]:.3f} s"
                           for k in ("workers_receive_s", "workers_load_s", "workers_finalize_s")
@@ -250,54 +289,86 @@ def print_table(summary: dict) -> None:
               + (f"; receive vs raw: {raw_ratio:.2f}x" if raw_ratio else ""))
     if summary["raw_bytes"]:
         print(f"raw moves {summary['raw_bytes']:,} bytes (awex_fast's plan, per pair)")
+    if "wire_vs_bf16" in summary["ratios"]:
+        print(f"awex_fast's FP8 wire bytes / the bf16 server's: {summary['ratios']['wire_vs_bf16']:.3f}")
     print(f"checksums equal to awex_fast's after every route: {summary['checksums_equal']}"
           + (f" mismatches: {summary['mismatches']}" if summary["mismatches"] else ""))
 
 
-def bench_vllm_main(argv: list[str] | None = None) -> int:
-    """Entry point of `awex-fast bench --engine vllm`."""
+def _methods(args: argparse.Namespace) -> list[str]:
+    routes = FP8_ROUTES if args.quant == "fp8" else ROUTES
+    methods = [m for m in (args.methods or ",".join(routes)).split(",") if m]
+    unknown = set(methods) - set(routes)
+    if unknown or "awex_fast" not in methods:
+        raise SystemExit(f"--methods: choose from {', '.join(routes)}, awex_fast included")
+    return methods
+
+
+def _run_pass(args: argparse.Namespace, work: Path, ckpt: Path, methods: list[str], tag: str,
+              env_extra: dict[str, str] | None = None) -> tuple[dict, dict | None, dict]:
+    """Start the server on ``ckpt``, run the trainer ranks (and raw receivers) through
+    ``methods``, stop the server; returns (trainer 0's result, the raw receivers', the spec)."""
     import torch.distributed as dist
 
-    args = build_parser().parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = set(methods) - set(ROUTES)
-    if unknown or "awex_fast" not in methods:
-        raise SystemExit(f"--methods: choose from {', '.join(ROUTES)}, awex_fast included")
-    own_dir = args.workdir is None
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="awex_bench_vllm_"))
-    work.mkdir(parents=True, exist_ok=True)
     server = None
     try:
         t0 = time.perf_counter()
-        write_checkpoint(work / "ckpt", args.model, args.layers, args.dtype, args.untied)
-        print(f"checkpoint written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        t0 = time.perf_counter()
-        server, url = start_server(work / "ckpt", args.tp, args.dtype, work / "server.log", 900)
-        print(f"vLLM TP{args.tp} up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        server, url = start_server(ckpt, args.tp, args.dtype, work / f"server{tag}.log", 900, env_extra)
+        print(f"vLLM TP{args.tp} ({ckpt.name}) up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=args.timeout))
         spec = {"model": args.model, "layers": args.layers, "tp": args.tp, "trainers": args.trainers,
                 "dtype": args.dtype, "untied": args.untied, "iters": args.iters, "methods": methods,
-                "buffer_mb": args.buffer_mb, "transport": args.transport,
+                "buffer_mb": args.buffer_mb, "transport": args.transport, "quant": args.quant,
+                # the trainers build their model from the bfloat16 config (never the FP8 one)
                 "url": url, "ckpt": str(work / "ckpt"), "disk_dir": str(work / "disk"),
                 "store_port": store.port, "dist_port": free_port(), "timeout": args.timeout}
         roles = [("trainer", r) for r in range(args.trainers)]
         roles += [("raw", r) for r in range(args.tp)] if "raw" in methods else []
-        procs = {f"{role}{r}": _spawn(role, {**spec, "rank": r, "result": str(work / f"{role}{r}.out.json")},
-                                      work, f"{role}{r}") for role, r in roles}
+        procs = {f"{role}{r}{tag}": _spawn(role, {**spec, "rank": r,
+                                                  "result": str(work / f"{role}{r}{tag}.out.json")},
+                                           work, f"{role}{r}{tag}") for role, r in roles}
         _wait(procs, work, args.timeout)
-        result = json.loads((work / "trainer0.out.json").read_text())
+        result = json.loads((work / f"trainer0{tag}.out.json").read_text())
         raw = None
         if "raw" in methods:
-            ranks = [json.loads((work / f"raw{r}.out.json").read_text()) for r in range(args.tp)]
+            ranks = [json.loads((work / f"raw{r}{tag}.out.json").read_text()) for r in range(args.tp)]
             raw = {"ranks": ranks, "bytes": sum(r["bytes"] for r in ranks)}
+        return result, raw, spec
+    finally:
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def bench_vllm_main(argv: list[str] | None = None) -> int:
+    """Entry point of `awex-fast bench --engine vllm`."""
+    from awex_fast.vllm.cpu_fp8 import ENV as FP8_FALLBACK
+
+    args = build_parser().parse_args(argv)
+    methods = _methods(args)
+    own_dir = args.workdir is None
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="awex_bench_vllm_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        t0 = time.perf_counter()
+        write_checkpoint(work / "ckpt", args.model, args.layers, args.dtype, args.untied)
+        ckpt = work / "ckpt"
+        if args.quant == "fp8":
+            write_fp8_checkpoint(work / "ckpt", work / "ckpt-fp8", args.tp)
+            ckpt = work / "ckpt-fp8"
+        print(f"checkpoint written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        first = [m for m in methods if m != "bf16"]
+        fallback = {FP8_FALLBACK: os.environ.get(FP8_FALLBACK, "1")} if args.quant == "fp8" else None
+        result, raw, spec = _run_pass(args, work, ckpt, first, "", fallback)
+        if "bf16" in methods:
+            plain, _, _ = _run_pass(args, work, work / "ckpt", ["awex_fast"], "-bf16")
+            result["times"]["bf16"] = plain["times"]["awex_fast"]
+            result["checksums_equal"] = result["checksums_equal"] and plain["checksums_equal"]
         summary = summarize(result, raw, spec)
         print_table(summary)
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=1))
         return 0 if summary["checksums_equal"] else 1
     finally:
-        if server is not None and server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)

@@ -101,6 +101,16 @@ def raw_main(spec: dict) -> None:
     Path(spec["result"]).write_text(json.dumps({"times": times, "bytes": nbytes}))
 
 
+def _sum_over_ranks(value: int) -> int:
+    """``value`` summed over the trainer ranks (the default process group)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def _pair_bytes(engine: Any) -> dict[int, int]:
     """Bytes awex_fast's plan sends from this trainer rank to each worker (transfer rank)."""
     return engine.adapter.executor.send_bytes_by_peer()
@@ -152,6 +162,14 @@ class _TrainerRank:
             AwexFastTrainerInitInfo(rank=self.rank, world_size=self.world,
                                     transport=spec.get("transport", "gloo")),
             client=self.client, source=self.source)
+        self.receiver = None
+        if "awex_fast_receiver" in self.methods:  # a second awex_fast engine on the workers
+            self.switch("awex_fast_receiver")
+            self.receiver = WeightTransferTrainerFactory.trainer_init(
+                AwexFastTrainerInitInfo(rank=self.rank, world_size=self.world, fp8_quantize="engine",
+                                        transport=spec.get("transport", "gloo")),
+                client=self.client, source=self.source)
+            self.switch("awex_fast")
         self.bcast = None
         if "broadcast" in self.methods:
             if self.rank == 0:
@@ -202,14 +220,16 @@ class _TrainerRank:
         t0 = time.perf_counter()
         if method == "disk":
             return self.run_disk()
-        engine = {"awex_fast": self.awex, "broadcast": self.bcast}.get(method)
+        engines = {"awex_fast": self.awex, "awex_fast_receiver": self.receiver, "broadcast": self.bcast}
+        engine = engines.get(method)
         if engine is None:
             raise ValueError(f"unknown or uninitialized method {method!r}")
         engine.send_weights()
         lr = engine.last_round
         out = {"start": lr.get("start_s"), "update": lr.get("update_s"), "finalize": lr.get("finish_s")}
-        if method == "awex_fast":
+        if method.startswith("awex_fast"):
             out["send"] = lr.get("send_s")
+            out["wire_bytes"] = _sum_over_ranks(int(lr.get("bytes_sent", 0)))
         total = time.perf_counter() - t0
         fin = out.get("finalize")
         return {**out, "total": total, "transfer": total - fin if fin is not None else total}
@@ -218,8 +238,10 @@ class _TrainerRank:
         """Point the server at the backend ``method`` uses (rank 0 asks, over HTTP)."""
         from awex_fast.vllm.baselines import BACKEND_NAME as BROADCAST
 
-        if self.rank == 0 and method in ("awex_fast", "broadcast"):
-            _use_backend(self.url, BROADCAST if method == "broadcast" else "awex_fast", self.timeout)
+        backend = {"awex_fast": "awex_fast", "awex_fast_receiver": "awex_fast#receiver",
+                   "broadcast": BROADCAST}.get(method)
+        if self.rank == 0 and backend is not None:
+            _use_backend(self.url, backend, self.timeout)
 
     def timed_rounds(self) -> dict[str, list[dict]]:
         """``iters`` + 1 rounds of every method, interleaved; the first round is warm-up."""
@@ -284,8 +306,10 @@ class _TrainerRank:
 
         from awex_fast.vllm.baselines import BACKEND_NAME as BROADCAST
 
-        if self.rank == 0:
-            self.switch("awex_fast")
+        if self.receiver is not None:
+            self.switch("awex_fast_receiver")
+            self.receiver.shutdown()
+        self.switch("awex_fast")
         self.awex.shutdown()
         if self.bcast is not None:
             if self.rank == 0:

@@ -184,6 +184,8 @@ def _deepseek_v3(
 
 _MODELS: dict[str, Callable[[int | None], ModelSpec]] = {
     "qwen2.5-0.5b": _qwen2("Qwen2.5-0.5B", _Dense(896, 4864, 24, 14, 2, 151936, tied=True)),
+    # every linear of it splits into whole 128x128 blocks at TP2 (0.5B's does not): the FP8 bench shape
+    "qwen2.5-1.5b": _qwen2("Qwen2.5-1.5B", _Dense(1536, 8960, 28, 12, 2, 151936, tied=True)),
     "qwen2.5-7b": _qwen2("Qwen2.5-7B", _Dense(3584, 18944, 28, 28, 4, 152064)),
     "qwen2.5-72b": _qwen2("Qwen2.5-72B", _Dense(8192, 29568, 80, 64, 8, 152064)),
     "qwen3-235b-a22b": _qwen3_moe(

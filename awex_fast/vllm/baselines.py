@@ -303,7 +303,8 @@ class BenchWorkerExtension:
 
     def awex_fast_use_backend(self, name: str) -> str:
         """Make backend ``name``'s engine the worker's weight-transfer engine; returns the name
-        of the engine that was active."""
+        of the engine that was active. ``BACKEND#TAG`` is a second engine of ``BACKEND`` (one per
+        route, e.g. ``awex_fast#receiver``: awex_fast joined with another trainer engine)."""
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
@@ -316,7 +317,7 @@ class BenchWorkerExtension:
             engines[previous] = current
         if name not in engines:
             engines[name] = WeightTransferEngineFactory.create_engine(
-                WeightTransferConfig(backend=name), worker.vllm_config, worker.device,
+                WeightTransferConfig(backend=name.partition("#")[0]), worker.vllm_config, worker.device,
                 worker.model_runner.get_model())
         worker.weight_transfer_engine = engines[name]
         return previous

