@@ -45,6 +45,7 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
         ModuleSource,
         WeightTransferTrainerFactory,
     )
+    from weight_sources import train_step
 
     from awex_fast.vllm import AwexFastTrainerInitInfo
     from awex_fast.vllm.fp8_checkpoint import fp8_checkpoint
@@ -60,11 +61,7 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
         client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
     rounds = []
     for k in steps:
-        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(k))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        full = train_step(model, opt, k)
         if rank == 0:
             fp8_checkpoint(full, bf16_dir, os.path.join(out, f"w{k}"))
         engine.send_weights()

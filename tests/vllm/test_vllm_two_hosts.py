@@ -57,7 +57,7 @@ def _rounds(rank: int, world_size: int, url: str, model_dir: str, out: str, kv_h
         ModuleSource,
         WeightTransferTrainerFactory,
     )
-    from weight_sources import save_bf16
+    from weight_sources import save_bf16, train_step
 
     from awex_fast.vllm import AwexFastTrainerInitInfo
 
@@ -75,12 +75,7 @@ def _rounds(rank: int, world_size: int, url: str, model_dir: str, out: str, kv_h
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rounds = []
     for k in (1, 2):
-        gen = torch.Generator().manual_seed(40 + k)
-        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        full = train_step(model, opt, 40 + k)
         if rank == 0:
             save_bf16(full, model_dir, os.path.join(out, f"w{k}"))
         engine.send_weights()
@@ -143,7 +138,7 @@ def _link_dropped_mid_round(rank: int, world_size: int, url: str, model_dir: str
         ModuleSource,
         WeightTransferTrainerFactory,
     )
-    from weight_sources import save_bf16
+    from weight_sources import save_bf16, train_step
 
     from awex_fast.vllm import AwexFastTrainerInitInfo, SendError
 
@@ -168,12 +163,7 @@ def _link_dropped_mid_round(rank: int, world_size: int, url: str, model_dir: str
         client=client, source=ModuleSource(model))
     got: dict = {}
     for k in (1, 2, 3):
-        gen = torch.Generator().manual_seed(70 + k)
-        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        full = train_step(model, opt, 70 + k)
         if rank == 0:
             save_bf16(full, model_dir, os.path.join(out, f"w{k}"))
         client.armed = k == 2

@@ -64,3 +64,15 @@ def save_bf16(state: dict, config_dir: str, out: str) -> None:
     shutil.copy(os.path.join(config_dir, "config.json"), out)
     save_file({n: t.to(torch.bfloat16).contiguous() for n, t in state.items()},
               os.path.join(out, "model.safetensors"))
+
+
+def train_step(model, opt, seed: int) -> dict:
+    """One optimizer step of ``model`` (FSDP2, causal LM) on a batch drawn from ``seed``; returns
+    every parameter as its full tensor (a collective: every rank calls it), the round's oracle."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
