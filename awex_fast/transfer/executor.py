@@ -77,6 +77,7 @@ __all__ = [
     "WireBucket",
     "WireOp",
     "check_local_tensors",
+    "first_fingerprint_difference",
     "metadata_fingerprints",
     "torch_dtype",
     "wire_buckets",
@@ -459,16 +460,29 @@ def check_local_tensors(
             )
 
 
-def _first_difference(mine: list[list[str]], theirs: list[list[str]], peer: int) -> str:
+def first_fingerprint_difference(mine: Iterable[Sequence[str]],
+                                 theirs: Iterable[Sequence[str]]) -> tuple[str, str] | None:
+    """The first key (sorted) where two `metadata_fingerprints` lists differ, and how: "gone"
+    (only in ``mine``), "new" (only in ``theirs``) or "changed"; None when they are equal."""
     a, b = dict(map(tuple, mine)), dict(map(tuple, theirs))
-    for name in sorted(set(a) | set(b)):
-        if name not in b:
-            return f"parameter {name!r} exists here but not on rank {peer}"
-        if name not in a:
-            return f"parameter {name!r} exists on rank {peer} but not here"
-        if a[name] != b[name]:
-            return f"first differing parameter: {name!r}"
-    return "parameter metadata is identical; bucket size or planner version differ"
+    for key in sorted(set(a) | set(b)):
+        if key not in b:
+            return key, "gone"
+        if key not in a:
+            return key, "new"
+        if a[key] != b[key]:
+            return key, "changed"
+    return None
+
+
+def _first_difference(mine: list[list[str]], theirs: list[list[str]], peer: int) -> str:
+    found = first_fingerprint_difference(mine, theirs)
+    if found is None:
+        return "parameter metadata is identical; bucket size or planner version differ"
+    name, how = found
+    return {"gone": f"parameter {name!r} exists here but not on rank {peer}",
+            "new": f"parameter {name!r} exists on rank {peer} but not here",
+            "changed": f"first differing parameter: {name!r}"}[how]
 
 
 def metadata_fingerprints(sides: Iterable[tuple[str, Iterable[ParameterMeta]]]) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from awex_fast.meta import MetadataError, ParameterMeta, ShardMeta, dtype_name
 from awex_fast.sync.adapter_base import local_tensor
-from awex_fast.transfer.executor import metadata_fingerprints
+from awex_fast.transfer.executor import first_fingerprint_difference, metadata_fingerprints
 
 __all__ = ["ShardedSource", "SourceTensors", "check_module_shapes", "fingerprints", "first_change"]
 
@@ -105,13 +105,11 @@ def fingerprints(metas: Sequence[ParameterMeta]) -> list[tuple[str, str]]:
 
 def first_change(before: list[tuple[str, str]], now: list[tuple[str, str]]) -> str:
     """Which parameter's metadata changed between two `fingerprints` lists, in words."""
-    a, b = dict(before), dict(now)
-    for key in sorted(set(a) | set(b)):
-        name = key.removeprefix("train:")
-        if key not in b:
-            return f"parameter {name!r} is gone from the source"
-        if key not in a:
-            return f"parameter {name!r} is new in the source"
-        if a[key] != b[key]:
-            return f"parameter {name!r} changed its shape, dtype or sharding"
-    return "the source's metadata changed"
+    found = first_fingerprint_difference(before, now)
+    if found is None:
+        return "the source's metadata changed"
+    key, how = found
+    name = key.removeprefix("train:")
+    return {"gone": f"parameter {name!r} is gone from the source",
+            "new": f"parameter {name!r} is new in the source",
+            "changed": f"parameter {name!r} changed its shape, dtype or sharding"}[how]
