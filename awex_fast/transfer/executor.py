@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import cast
@@ -418,6 +419,21 @@ def _record_failure(store: object, rank: int, version: int, exc: TransferError) 
     only that its own peer aborted. The first failure recorded names X (and what failed there).
     Best effort: the store lives in transfer rank 0's process, and a dead rank 0 takes it along.
     """
+    # Bounded by a thread: a store behind a link that went down does not fail its calls, it
+    # hangs in them (TCP retransmits for minutes), and a failing round must still end.
+    found: list[str | None] = []
+    worker = threading.Thread(target=lambda: found.append(_exchange_failure(store, rank, version, exc)),
+                              daemon=True, name="awex-record-failure")
+    worker.start()
+    worker.join(_RECORD_FAILURE_S)
+    return found[0] if found else None
+
+
+_RECORD_FAILURE_S = 5.0
+
+
+def _exchange_failure(store: object, rank: int, version: int, exc: TransferError) -> str | None:
+    """`_record_failure`'s store calls."""
     key = f"round_failure/v{version}"
     try:
         if store.add(f"{key}/count", 1) == 1:  # type: ignore[attr-defined]
