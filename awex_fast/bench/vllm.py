@@ -34,6 +34,15 @@ server) and the routes are:
 * ``bf16``: ``awex_fast`` into a bfloat16 server of the same shape (a second server, started once
   the FP8 one is gone), for the bytes and seconds FP8 saves.
 
+With ``--two-hosts`` (root) the run spans two hosts (`awex_fast.bench.two_hosts`): the trainer
+ranks stay on this host, the vLLM server and raw's receivers run on a second host, a network
+namespace behind one veth link shaped to ``--link-gbps`` (a token bucket), and every address is
+the one a two-node user has (the server's URL on the engine host's address; awex_fast finds the
+rest from it; the broadcast group's rendezvous on the trainer host). The table adds the bytes
+each route put on the link (the trainer host's kernel counter, HTTP included) and the **link
+bound**: awex_fast's wire bytes, which all cross the one link, over its rate (``link_bound_s`` in
+``--json``). The disk route reads its file from the shared file system, not across the link.
+
 Phases: ``transfer`` is everything before vLLM's finalize (start + update RPCs, including the
 trainer's gathers and the workers' ``load_weights``), ``finalize`` is vLLM's
 ``finalize_layerwise_reload`` (CPU repacking) as the ``finish_weight_update`` RPC times it, which
@@ -55,10 +64,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from awex_fast.net import free_port
+
+if TYPE_CHECKING:
+    from awex_fast.bench.two_hosts import TwoHosts
 
 ROUTES = ("awex_fast", "broadcast", "disk", "raw")
 FP8_ROUTES = ("awex_fast", "awex_fast_receiver", "raw", "bf16")
@@ -92,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="checkpoint and logs here (default: a temp dir)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--two-hosts", action="store_true",
+                   help="the trainer ranks on this host, vLLM and raw's receivers on a second host (a "
+                        "network namespace) behind one veth link shaped to --link-gbps (root)")
+    p.add_argument("--link-gbps", type=float, default=10.0, help="with --two-hosts: the link's rate, Gbit/s")
     return p
 
 
@@ -146,9 +163,11 @@ def write_fp8_checkpoint(bf16_dir: Path, path: Path, tp: int) -> None:
     fp8_checkpoint(state, bf16_dir, path)
 
 
-def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
-                 timeout: float, env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """vLLM's OpenAI server (dev mode), backend awex_fast, with the engine-switching extension."""
+def start_server(model_dir: Path, tp: int, dtype: str, log: Path, timeout: float,
+                 env_extra: dict[str, str] | None = None, prefix: Sequence[str] = (),
+                 host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server (dev mode), backend awex_fast, with the engine-switching extension;
+    ``prefix`` runs it elsewhere (``ip netns exec NS`` for the engine host), listening on ``host``."""
     import requests
 
     port = free_port()
@@ -157,8 +176,8 @@ def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
         f"{i * cpus // tp}-{(i + 1) * cpus // tp - 1}" if cpus // tp > 1 else str(i * cpus // tp)
         for i in range(tp)))
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager",
+    cmd = [*prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp), "--enforce-eager",
            "--max-model-len", "128",
            "--dtype", dtype, "--skip-tokenizer-init",
            "--weight-transfer-config", json.dumps({"backend": "awex_fast"}),
@@ -166,7 +185,7 @@ def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
     # cwd away from any checkout: `python -m` puts the cwd first on sys.path
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=log.parent,
                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -182,11 +201,11 @@ def start_server(model_dir: Path, tp: int, dtype: str, log: Path,
     raise RuntimeError(f"vLLM did not come up in {timeout:.0f}s; see {log}")
 
 
-def _spawn(role: str, spec: dict, tmp: Path, name: str) -> subprocess.Popen:
+def _spawn(role: str, spec: dict, tmp: Path, name: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.Popen([sys.executable, "-m", "awex_fast.bench.vllm_ranks", role, str(path)],
+    return subprocess.Popen([*prefix, sys.executable, "-m", "awex_fast.bench.vllm_ranks", role, str(path)],
                             stdout=(tmp / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=tmp)
 
@@ -215,7 +234,7 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
     for name, its in result["times"].items():
         med = {k: statistics.median(v) if (v := [it[k] for it in its if it.get(k) is not None]) else None
                for k in its[0]}
-        routes[name] = {"iters": its, **{k if k.endswith("_s") or k == "wire_bytes" else f"{k}_s": v
+        routes[name] = {"iters": its, **{k if k.endswith(("_s", "_bytes")) else f"{k}_s": v
                                          for k, v in med.items()}}
     fin = [r["finalize_s"] for n, r in routes.items() if n != "disk" and r.get("finalize_s") is not None]
     if "disk" in routes and fin:
@@ -247,9 +266,16 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
             ratios["receive_vs_raw"] = routes["raw"]["transfer_s"] / ours["workers_receive_s"]
     if ours and ours.get("wire_bytes") and routes.get("bf16", {}).get("wire_bytes"):
         ratios["wire_vs_bf16"] = ours["wire_bytes"] / routes["bf16"]["wire_bytes"]
+    link_bound = None
+    if spec.get("link_gbps") and ours and ours.get("wire_bytes"):
+        # one link between the hosts: every byte of awex_fast's plan crosses it
+        link_bound = ours["wire_bytes"] * 8 / (spec["link_gbps"] * 1e9)
+        for name, r in routes.items():
+            if name != "raw":
+                ratios[f"{name}_vs_link_bound"] = r["total_s"] / link_bound
     keys = ("model", "layers", "untied", "tp", "trainers", "dtype", "iters", "buffer_mb", "transport",
-            "quant")
-    return {"layout": {k: spec.get(k) for k in keys},
+            "quant", "link_gbps")
+    return {"layout": {k: spec.get(k) for k in keys}, "link_bound_s": link_bound,
             "model_bytes": nbytes, "raw_bytes": raw["bytes"] if raw else None, "routes": routes,
             "ratios": ratios, "checksums_equal": result.get("checksums_equal"),
             "mismatches": result.get("mismatches", {}), "phases": result.get("phases", {})}
@@ -264,11 +290,14 @@ def print_table(summary: dict) -> None:
 
         lay = {**lay, "layers": model_spec(lay["model"]).num_layers}
     served = "block-FP8 (e4m3 + scales)" if lay.get("quant") == "fp8" else lay["dtype"]
+    link = lay.get("link_gbps")
+    where = (f"; vLLM and raw's receivers on a second host behind a {link:g} Gbit/s link" if link else "")
     print(f"model={lay['model']}{tie} layers={lay['layers']} trainer=fsdp{lay['trainers']} (float32) -> vLLM "
           f"TP{lay['tp']} ({served}), {summary['model_bytes'] / 1e9:.3f} GB in {lay['dtype']}, "
-          f"iters={lay['iters']}, awex_fast and raw over {lay.get('transport', 'gloo')}, median seconds")
-    print(f"{'route':18} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6} {'wire MB':>8}  "
-          "route / awex_fast (transfer, total)")
+          f"iters={lay['iters']}, awex_fast and raw over {lay.get('transport', 'gloo')}{where}, "
+          "median seconds")
+    print(f"{'route':18} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6} {'wire MB':>8}"
+          + (f" {'link MB':>8}" if link else "") + "  route / awex_fast (transfer, total)")
     ours = summary["routes"].get("awex_fast")
     for name, r in summary["routes"].items():
         tr = ("~" if r.get("transfer_estimated") else "") + f"{r['transfer_s']:.3f}"
@@ -279,7 +308,20 @@ def print_table(summary: dict) -> None:
             if name != "raw":
                 ratio += f", {r['total_s'] / ours['total_s']:.2f}x"
         wire = f"{r['wire_bytes'] / 1e6:.1f}" if r.get("wire_bytes") else "-"
-        print(f"{name:18} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f} {wire:>8}  {ratio}")
+        crossed = ""
+        if link:  # measured on the trainer host's end of the link (raw's: not counted)
+            got = r.get("link_bytes")
+            crossed = " " + (f"{got / 1e6:.1f}" if got is not None else "-").rjust(8)
+        print(f"{name:18} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f} {wire:>8}{crossed}  "
+              f"{ratio}")
+    bound = summary.get("link_bound_s")
+    if bound:
+        times = ", ".join(f"{n} {summary['ratios'][f'{n}_vs_link_bound']:.2f}x" for n in summary["routes"]
+                          if f"{n}_vs_link_bound" in summary["ratios"])
+        print(f"{'link bound':18} {bound:11.3f} {'-':>11} {bound:8.3f}  (awex_fast's wire bytes / "
+              f"{link:g} Gbit/s); total / bound: {times}")
+        if "disk" in summary["routes"]:
+            print("disk: the engine host reads the file from the shared file system, not across the link")
     if ours and ours.get("workers_receive_s") is not None:
         split = ", ".join(f"{k.removeprefix('workers_').removesuffix('_s')} {ours[k]:.3f} s"
                           for k in ("workers_receive_s", "workers_load_s", "workers_finalize_s")
@@ -305,29 +347,42 @@ def _methods(args: argparse.Namespace) -> list[str]:
 
 
 def _run_pass(args: argparse.Namespace, work: Path, ckpt: Path, methods: list[str], tag: str,
-              env_extra: dict[str, str] | None = None) -> tuple[dict, dict | None, dict]:
+              env_extra: dict[str, str] | None = None,
+              hosts: TwoHosts | None = None) -> tuple[dict, dict | None, dict]:
     """Start the server on ``ckpt``, run the trainer ranks (and raw receivers) through
-    ``methods``, stop the server; returns (trainer 0's result, the raw receivers', the spec)."""
+    ``methods``, stop the server; returns (trainer 0's result, the raw receivers', the spec).
+    With ``hosts`` the server and the raw receivers run on the engine host."""
     import torch.distributed as dist
 
+    trainer_host = hosts.address("trainer") if hosts else "127.0.0.1"
+    engine_host = hosts.address("engine") if hosts else "127.0.0.1"
+    on_engine = hosts.command("engine", []) if hosts else []
     server = None
     try:
         t0 = time.perf_counter()
-        server, url = start_server(ckpt, args.tp, args.dtype, work / f"server{tag}.log", 900, env_extra)
-        print(f"vLLM TP{args.tp} ({ckpt.name}) up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        server, url = start_server(ckpt, args.tp, args.dtype, work / f"server{tag}.log", 900, env_extra,
+                                   prefix=on_engine, host=engine_host)
+        print(f"vLLM TP{args.tp} ({ckpt.name}) up in {time.perf_counter() - t0:.1f}s at {url}",
+              file=sys.stderr)
+        # bound to the trainer host's address on the link: raw's receivers reach it from the engine host
+        store = dist.TCPStore(trainer_host, 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=args.timeout))
         spec = {"model": args.model, "layers": args.layers, "tp": args.tp, "trainers": args.trainers,
                 "dtype": args.dtype, "untied": args.untied, "iters": args.iters, "methods": methods,
                 "buffer_mb": args.buffer_mb, "transport": args.transport, "quant": args.quant,
                 # the trainers build their model from the bfloat16 config (never the FP8 one)
                 "url": url, "ckpt": str(work / "ckpt"), "disk_dir": str(work / "disk"),
-                "store_port": store.port, "dist_port": free_port(), "timeout": args.timeout}
+                "store_host": trainer_host, "store_port": store.port, "dist_port": free_port(),
+                "timeout": args.timeout, "trainer_host": trainer_host, "engine_host": engine_host,
+                # the trainer host's end of the link: its tx counter is what crossed (None: one host)
+                "link_device": hosts.devices["trainer"] if hosts else None,
+                "link_gbps": args.link_gbps if hosts else None}
         roles = [("trainer", r) for r in range(args.trainers)]
         roles += [("raw", r) for r in range(args.tp)] if "raw" in methods else []
         procs = {f"{role}{r}{tag}": _spawn(role, {**spec, "rank": r,
                                                   "result": str(work / f"{role}{r}{tag}.out.json")},
-                                           work, f"{role}{r}{tag}") for role, r in roles}
+                                           work, f"{role}{r}{tag}", on_engine if role == "raw" else ())
+                 for role, r in roles}
         _wait(procs, work, args.timeout)
         result = json.loads((work / f"trainer0{tag}.out.json").read_text())
         raw = None
@@ -342,10 +397,26 @@ def _run_pass(args: argparse.Namespace, work: Path, ckpt: Path, methods: list[st
 
 def bench_vllm_main(argv: list[str] | None = None) -> int:
     """Entry point of `awex-fast bench --engine vllm`."""
-    from awex_fast.vllm.cpu_fp8 import ENV as FP8_FALLBACK
 
     args = build_parser().parse_args(argv)
     methods = _methods(args)
+    if args.two_hosts:
+        from awex_fast.bench.two_hosts import TwoHosts, available
+
+        ok, why = available()
+        if not ok:
+            raise SystemExit(f"--two-hosts: {why}")
+        if args.transport != "gloo" or args.link_gbps <= 0:
+            raise SystemExit("--two-hosts needs --transport gloo (ipc stays on one host) and --link-gbps > 0")
+        with TwoHosts(gbps=args.link_gbps, trainer_in_root=True) as hosts:
+            return _bench(args, methods, hosts)
+    return _bench(args, methods, None)
+
+
+def _bench(args: argparse.Namespace, methods: list[str], hosts: TwoHosts | None) -> int:
+    """Checkpoint, the server pass(es), the table; ``hosts``: the two-host harness or None."""
+    from awex_fast.vllm.cpu_fp8 import ENV as FP8_FALLBACK
+
     own_dir = args.workdir is None
     work = Path(args.workdir or tempfile.mkdtemp(prefix="awex_bench_vllm_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -359,9 +430,9 @@ def bench_vllm_main(argv: list[str] | None = None) -> int:
         print(f"checkpoint written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         first = [m for m in methods if m != "bf16"]
         fallback = {FP8_FALLBACK: os.environ.get(FP8_FALLBACK, "1")} if args.quant == "fp8" else None
-        result, raw, spec = _run_pass(args, work, ckpt, first, "", fallback)
+        result, raw, spec = _run_pass(args, work, ckpt, first, "", fallback, hosts)
         if "bf16" in methods:
-            plain, _, _ = _run_pass(args, work, work / "ckpt", ["awex_fast"], "-bf16")
+            plain, _, _ = _run_pass(args, work, work / "ckpt", ["awex_fast"], "-bf16", None, hosts)
             result["times"]["bf16"] = plain["times"]["awex_fast"]
             result["checksums_equal"] = result["checksums_equal"] and plain["checksums_equal"]
         summary = summarize(result, raw, spec)

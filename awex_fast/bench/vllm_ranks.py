@@ -35,10 +35,10 @@ class _Parent:
     """The parent's TCPStore: barriers between the trainer ranks and the raw receivers, and the
     per-pair byte counts the raw bound replays."""
 
-    def __init__(self, port: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, timeout: float) -> None:
         import torch.distributed as dist
 
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
+        self.store = dist.TCPStore(host, port, is_master=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         self.n: dict[str, int] = {}
 
@@ -79,7 +79,8 @@ def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dic
         return int(parent.store.get("raw/port"))
 
     group, _ = init_transfer_group_on_free_port(
-        spec.get("transport", "gloo"), transfer_rank, world, "127.0.0.1",
+        # receiver 0 binds the rendezvous: on the engine host's address where there are two hosts
+        spec.get("transport", "gloo"), transfer_rank, world, spec["engine_host"],
         lambda port: parent.store.set("raw/port", str(port)), await_port, spec["timeout"], "awex_fast_raw")
     run, nbytes, refresh = _raw(group, rp, torch.device("cpu"))
     return run, refresh, nbytes
@@ -87,7 +88,7 @@ def _raw_runner(parent: _Parent, spec: dict, transfer_rank: int, pair_bytes: dic
 
 def raw_main(spec: dict) -> None:
     """A stand-in receiver of the raw bound (transfer rank ``spec['rank']``)."""
-    parent = _Parent(spec["store_port"], spec["timeout"])
+    parent = _Parent(spec["store_host"], spec["store_port"], spec["timeout"])
     run, _, nbytes = _raw_runner(parent, spec, spec["rank"], None, "recv")
     world = spec["tp"] + spec["trainers"]
     times = []
@@ -109,6 +110,13 @@ def _sum_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t)
     return int(t.item())
+
+
+def _link_tx_bytes(device: str | None) -> int | None:
+    """Bytes this host has sent out of ``device`` so far (its kernel counter; None: no device)."""
+    if device is None:
+        return None
+    return int(Path(f"/sys/class/net/{device}/statistics/tx_bytes").read_text())
 
 
 def _pair_bytes(engine: Any) -> dict[int, int]:
@@ -134,7 +142,7 @@ class _TrainerRank:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["dist_port"]))
         dist.init_process_group("gloo", rank=self.rank, world_size=self.world,
                                 timeout=datetime.timedelta(seconds=self.timeout))
-        self.parent = _Parent(spec["store_port"], self.timeout)
+        self.parent = _Parent(spec["store_host"], spec["store_port"], self.timeout)
         config = AutoConfig.from_pretrained(spec["ckpt"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         for layer in model.model.layers:
@@ -176,6 +184,7 @@ class _TrainerRank:
                 _use_backend(self.url, BROADCAST, self.timeout)
             self.bcast = WeightTransferTrainerFactory.trainer_init(
                 BroadcastTrainerInitInfo(rank=self.rank, num_workers=spec["tp"], dtype=spec["dtype"],
+                                         master_address=spec["trainer_host"],
                                          buffer_size_bytes=spec["buffer_mb"] << 20, timeout_s=self.timeout),
                 client=self.client, source=self.source)
             if self.rank == 0:
@@ -259,9 +268,12 @@ class _TrainerRank:
                     continue
                 self.switch(method)
                 self.rewrite()
+                sent0 = _link_tx_bytes(spec["link_device"]) if rank == 0 else None
                 dist.barrier()
                 got = self.run(method)
                 dist.barrier()
+                if sent0 is not None:  # everything the trainer host put on the link, HTTP included
+                    got["link_bytes"] = _link_tx_bytes(spec["link_device"]) - sent0
                 if rank == 0 and method != "disk":  # each worker's own phases (untimed RPC)
                     workers = _post(self.url, "/collective_rpc", {"method": "awex_fast_last_timings"},
                                     self.timeout)
