@@ -10,7 +10,10 @@ for the raw bound, as fresh processes (``python -m awex_fast.bench.vllm_ranks RO
 specs and results, no pickle). Routes, interleaved per iteration (iteration 0 is a warm-up):
 
 * ``awex_fast``: `awex_fast.vllm` (each trainer rank sends its own shards' boxes to the workers
-  that keep them; the workers stage them and run vLLM's layerwise reload);
+  that keep them; the workers receive them in the background while vLLM keeps serving, then
+  vLLM's layerwise reload applies them: ``receive_while_serving``);
+* ``awex_fast_blocking``: the same with ``receive_while_serving=False`` (the workers receive
+  inside vLLM's ``update_weights`` RPC: vLLM stands still for the whole round);
 * ``broadcast``: vLLM's ``nccl``-backend algorithm on gloo (`awex_fast.vllm.baselines`): rank 0
   gathers every full tensor, casts, packs 1 GiB buckets, broadcasts them to every worker, which
   calls ``load_weights`` inside the layerwise reload;
@@ -43,6 +46,12 @@ each route put on the link (the trainer host's kernel counter, HTTP included) an
 bound**: awex_fast's wire bytes, which all cross the one link, over its rate (``link_bound_s`` in
 ``--json``). The disk route reads its file from the shared file system, not across the link.
 
+**Stall** (unless ``--no-stall``): trainer rank 0 keeps one streaming greedy completion running
+against the server through every timed update (`awex_fast.bench.stall`); a route's stall is the
+longest gap between two streamed tokens during its update minus the median gap outside updates
+(about 0 for an update that never stops generation, about the update's length for one that
+stops it throughout). Every route is timed under that load, raw included (it has no stall).
+
 Phases: ``transfer`` is everything before vLLM's finalize (start + update RPCs, including the
 trainer's gathers and the workers' ``load_weights``), ``finalize`` is vLLM's
 ``finalize_layerwise_reload`` (CPU repacking) as the ``finish_weight_update`` RPC times it, which
@@ -73,7 +82,7 @@ from awex_fast.net import free_port
 if TYPE_CHECKING:
     from awex_fast.bench.two_hosts import TwoHosts
 
-ROUTES = ("awex_fast", "broadcast", "disk", "raw")
+ROUTES = ("awex_fast", "awex_fast_blocking", "broadcast", "disk", "raw")
 FP8_ROUTES = ("awex_fast", "awex_fast_receiver", "raw", "bf16")
 _HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-1.5b": 12, "qwen2.5-7b": 28, "qwen2.5-72b": 64}
 
@@ -109,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer ranks on this host, vLLM and raw's receivers on a second host (a "
                         "network namespace) behind one veth link shaped to --link-gbps (root)")
     p.add_argument("--link-gbps", type=float, default=10.0, help="with --two-hosts: the link's rate, Gbit/s")
+    p.add_argument("--no-stall", dest="stall", action="store_false",
+                   help="no streaming request during the updates (no stall column; module docstring)")
     return p
 
 
@@ -248,6 +259,8 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
     nbytes = result["model_bytes"]
     for r in routes.values():
         r["GBps"] = nbytes / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
+        r["update_s"] = r["total_s"]  # the whole update, as the trainer waits for it
+        r.setdefault("stall_s", None)
     ours = routes.get("awex_fast")
     ratios: dict[str, float] = {}
     if ours:
@@ -264,6 +277,12 @@ def summarize(result: dict, raw: dict | None, spec: dict) -> dict:
             ours[f"workers_{phase}"] = statistics.median(per) if per else None
         if "raw" in routes and ours.get("workers_receive_s"):
             ratios["receive_vs_raw"] = routes["raw"]["transfer_s"] / ours["workers_receive_s"]
+    blocking = routes.get("awex_fast_blocking")
+    if ours and blocking and ours.get("stall_s") is not None:
+        # the serving mode's stall against the whole update vLLM stands still for without it
+        ratios["stall_vs_blocking_update"] = ours["stall_s"] / blocking["update_s"]
+    if blocking and "raw" in routes:
+        ratios["raw_vs_blocking_update"] = routes["raw"]["total_s"] / blocking["update_s"]
     if ours and ours.get("wire_bytes") and routes.get("bf16", {}).get("wire_bytes"):
         ratios["wire_vs_bf16"] = ours["wire_bytes"] / routes["bf16"]["wire_bytes"]
     link_bound = None
@@ -296,8 +315,8 @@ def print_table(summary: dict) -> None:
           f"TP{lay['tp']} ({served}), {summary['model_bytes'] / 1e9:.3f} GB in {lay['dtype']}, "
           f"iters={lay['iters']}, awex_fast and raw over {lay.get('transport', 'gloo')}{where}, "
           "median seconds")
-    print(f"{'route':18} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'GB/s':>6} {'wire MB':>8}"
-          + (f" {'link MB':>8}" if link else "") + "  route / awex_fast (transfer, total)")
+    print(f"{'route':18} {'transfer s':>11} {'finalize s':>11} {'total s':>8} {'stall s':>8} {'GB/s':>6} "
+          f"{'wire MB':>8}" + (f" {'link MB':>8}" if link else "") + "  route / awex_fast (transfer, total)")
     ours = summary["routes"].get("awex_fast")
     for name, r in summary["routes"].items():
         tr = ("~" if r.get("transfer_estimated") else "") + f"{r['transfer_s']:.3f}"
@@ -312,8 +331,9 @@ def print_table(summary: dict) -> None:
         if link:  # measured on the trainer host's end of the link (raw's: not counted)
             got = r.get("link_bytes")
             crossed = " " + (f"{got / 1e6:.1f}" if got is not None else "-").rjust(8)
-        print(f"{name:18} {tr:>11} {fin:>11} {r['total_s']:8.3f} {r['GBps']:6.2f} {wire:>8}{crossed}  "
-              f"{ratio}")
+        stall = "-" if r.get("stall_s") is None else f"{r['stall_s']:.3f}"
+        print(f"{name:18} {tr:>11} {fin:>11} {r['total_s']:8.3f} {stall:>8} {r['GBps']:6.2f} {wire:>8}"
+              f"{crossed}  {ratio}")
     bound = summary.get("link_bound_s")
     if bound:
         times = ", ".join(f"{n} {summary['ratios'][f'{n}_vs_link_bound']:.2f}x" for n in summary["routes"]
@@ -329,6 +349,10 @@ def print_table(summary: dict) -> None:
         raw_ratio = summary["ratios"].get("receive_vs_raw")
         print(f"awex_fast on its slowest worker: {split} (load: vLLM's load_weights and layer processing)"
               + (f"; receive vs raw: {raw_ratio:.2f}x" if raw_ratio else ""))
+    if "stall_vs_blocking_update" in summary["ratios"]:
+        print(f"stall: the longest gap between two streamed tokens during the update minus the median gap "
+              f"outside updates; awex_fast's stall / awex_fast_blocking's whole update: "
+              f"{summary['ratios']['stall_vs_blocking_update']:.2f}")
     if summary["raw_bytes"]:
         print(f"raw moves {summary['raw_bytes']:,} bytes (awex_fast's plan, per pair)")
     if "wire_vs_bf16" in summary["ratios"]:
@@ -370,6 +394,7 @@ def _run_pass(args: argparse.Namespace, work: Path, ckpt: Path, methods: list[st
         spec = {"model": args.model, "layers": args.layers, "tp": args.tp, "trainers": args.trainers,
                 "dtype": args.dtype, "untied": args.untied, "iters": args.iters, "methods": methods,
                 "buffer_mb": args.buffer_mb, "transport": args.transport, "quant": args.quant,
+                "stall": args.stall,
                 # the trainers build their model from the bfloat16 config (never the FP8 one)
                 "url": url, "ckpt": str(work / "ckpt"), "disk_dir": str(work / "disk"),
                 "store_host": trainer_host, "store_port": store.port, "dist_port": free_port(),

@@ -5,6 +5,7 @@ ranks that drive every route into the vLLM server, and the stand-in receivers of
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -13,6 +14,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+# routes that are awex_fast joined once more with other options
+_EXTRA_AWEX: dict[str, dict[str, Any]] = {
+    "awex_fast_receiver": {"fp8_quantize": "engine"},  # the workers quantize to FP8
+    "awex_fast_blocking": {"receive_while_serving": False},  # vLLM stands still for the receive
+}
 
 
 def _post(url: str, route: str, body: dict, timeout: float) -> Any:
@@ -170,14 +177,16 @@ class _TrainerRank:
             AwexFastTrainerInitInfo(rank=self.rank, world_size=self.world,
                                     transport=spec.get("transport", "gloo")),
             client=self.client, source=self.source)
-        self.receiver = None
-        if "awex_fast_receiver" in self.methods:  # a second awex_fast engine on the workers
-            self.switch("awex_fast_receiver")
-            self.receiver = WeightTransferTrainerFactory.trainer_init(
-                AwexFastTrainerInitInfo(rank=self.rank, world_size=self.world, fp8_quantize="engine",
-                                        transport=spec.get("transport", "gloo")),
-                client=self.client, source=self.source)
-            self.switch("awex_fast")
+        # more awex_fast engines on the workers (one per route, `BenchWorkerExtension` tags)
+        self.extra: dict[str, Any] = {}
+        for route, options in _EXTRA_AWEX.items():
+            if route in self.methods:
+                self.switch(route)
+                self.extra[route] = WeightTransferTrainerFactory.trainer_init(
+                    AwexFastTrainerInitInfo(rank=self.rank, world_size=self.world,
+                                            transport=spec.get("transport", "gloo"), **options),
+                    client=self.client, source=self.source)
+                self.switch("awex_fast")
         self.bcast = None
         if "broadcast" in self.methods:
             if self.rank == 0:
@@ -229,13 +238,15 @@ class _TrainerRank:
         t0 = time.perf_counter()
         if method == "disk":
             return self.run_disk()
-        engines = {"awex_fast": self.awex, "awex_fast_receiver": self.receiver, "broadcast": self.bcast}
+        engines = {"awex_fast": self.awex, "broadcast": self.bcast, **self.extra}
         engine = engines.get(method)
         if engine is None:
             raise ValueError(f"unknown or uninitialized method {method!r}")
         engine.send_weights()
         lr = engine.last_round
-        out = {"start": lr.get("start_s"), "update": lr.get("update_s"), "finalize": lr.get("finish_s")}
+        out = {"start": lr.get("start_s"), "update_rpc": lr.get("update_s"), "finalize": lr.get("finish_s")}
+        if lr.get("receive_s") is not None:  # received while vLLM served; update is the apply
+            out["receive"] = lr["receive_s"]
         if method.startswith("awex_fast"):
             out["send"] = lr.get("send_s")
             out["wire_bytes"] = _sum_over_ranks(int(lr.get("bytes_sent", 0)))
@@ -247,17 +258,33 @@ class _TrainerRank:
         """Point the server at the backend ``method`` uses (rank 0 asks, over HTTP)."""
         from awex_fast.vllm.baselines import BACKEND_NAME as BROADCAST
 
-        backend = {"awex_fast": "awex_fast", "awex_fast_receiver": "awex_fast#receiver",
-                   "broadcast": BROADCAST}.get(method)
+        backend = {"awex_fast": "awex_fast", "broadcast": BROADCAST,
+                   **{r: "awex_fast#" + r.removeprefix("awex_fast_") for r in _EXTRA_AWEX}}.get(method)
         if self.rank == 0 and backend is not None:
             _use_backend(self.url, backend, self.timeout)
 
     def timed_rounds(self) -> dict[str, list[dict]]:
         """``iters`` + 1 rounds of every method, interleaved; the first round is warm-up."""
-        import torch.distributed as dist
+        from awex_fast.bench.stall import TokenStream, stall_s
 
         spec, rank = self.spec, self.rank
         times: dict[str, list[dict]] = {m: [] for m in self.methods if m != "raw"}
+        windows: list[tuple[dict, tuple[float, float]]] = []  # (its record, the update's window)
+        stream = TokenStream(self.url) if rank == 0 and spec.get("stall") else contextlib.nullcontext()
+        with stream:
+            self._timed_loop(times, windows)
+        if isinstance(stream, TokenStream):  # a streaming request ran through every update
+            if stream.error is not None:
+                raise RuntimeError(f"the streaming request failed: {stream.error}") from stream.error
+            every = [w for _, w in windows]
+            for record, window in windows:
+                record["stall"] = stall_s(stream.gaps, window, every)
+        return times
+
+    def _timed_loop(self, times: dict[str, list[dict]], windows: list) -> None:
+        import torch.distributed as dist
+
+        spec, rank = self.spec, self.rank
         for it in range(spec["iters"] + 1):
             for method in self.methods:
                 if method == "raw":
@@ -270,7 +297,9 @@ class _TrainerRank:
                 self.rewrite()
                 sent0 = _link_tx_bytes(spec["link_device"]) if rank == 0 else None
                 dist.barrier()
+                begin = time.perf_counter()
                 got = self.run(method)
+                window = (begin, time.perf_counter())
                 dist.barrier()
                 if sent0 is not None:  # everything the trainer host put on the link, HTTP included
                     got["link_bytes"] = _link_tx_bytes(spec["link_device"]) - sent0
@@ -280,12 +309,12 @@ class _TrainerRank:
                     for w, t in enumerate(workers.get("results", []) if workers else []):
                         got.update({f"worker{w}_{k}": v for k, v in (t or {}).items()})
                 if it > 0 and rank == 0:
-                    times[method].append(dict(got))
+                    times[method].append(got)
+                    windows.append((got, window))
                 if rank == 0:
                     print(f"iter {it} {method}: {json.dumps(got)}", flush=True)
         if self.raw is not None:
             self.parent.barrier("raw-done", spec["tp"] + self.world)
-        return times
 
     def verify(self) -> dict[str, list[str]]:
         """The same weights through every route, the server's checksums after each; returns, per
@@ -318,9 +347,9 @@ class _TrainerRank:
 
         from awex_fast.vllm.baselines import BACKEND_NAME as BROADCAST
 
-        if self.receiver is not None:
-            self.switch("awex_fast_receiver")
-            self.receiver.shutdown()
+        for route, engine in self.extra.items():
+            self.switch(route)
+            engine.shutdown()
         self.switch("awex_fast")
         self.awex.shutdown()
         if self.bcast is not None:

@@ -50,8 +50,11 @@ from awex_fast.sync import (
 __all__ = [
     "ENGINES_SET",
     "ENGINE_ORDER_KEY",
+    "NEXT_ROUND_KEY",
     "EngineClaim",
     "WorkerInitError",
+    "announce_round",
+    "announced_round",
     "claim_engine",
     "claim_failed",
     "collect_inference",
@@ -239,6 +242,24 @@ def collect_inference(kv: KVStoreClient, pair: str, engines: Sequence[str], time
 def engine_sizes(kv: KVStoreClient, pair: str, timeout_s: float) -> list[int]:
     """Step 5: the engine sizes published in ``infer_params_meta`` (waits for it)."""
     return wait_side(kv, pair, "inference", timeout_s, who="trainer rank 0 (infer_params_meta)")[0]
+
+
+NEXT_ROUND_KEY = "vllm_next_round"
+
+
+def announce_round(kv: KVStoreClient, pair: str, rnd: int) -> None:
+    """Trainer rank 0, before ``start_weight_update``: the round the workers are to receive while
+    vLLM serves (vLLM's start RPC carries no arguments)."""
+    kv.put(pair, NEXT_ROUND_KEY, {"round": int(rnd)})
+
+
+def announced_round(kv: KVStoreClient, pair: str, timeout_s: float) -> int:
+    """A worker, in ``start_weight_update``: the round trainer rank 0 announced."""
+    value = kv.wait(pair, NEXT_ROUND_KEY, timeout_s)
+    rnd = value.get("round") if isinstance(value, dict) else None
+    if isinstance(rnd, bool) or not isinstance(rnd, int):
+        raise MetadataError(f"{NEXT_ROUND_KEY} in pair {pair!r} holds {value!r}, not a round number")
+    return rnd
 
 
 def worker_status_key(engine: int, rank: int, what: str) -> str:

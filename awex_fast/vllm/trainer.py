@@ -286,7 +286,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             train_world_size=self.world_size, engine_index=-1, num_engines=max(1, len(self.engines)),
             claim=claim_client is not None, claim_client=claim_client or 0,
             master_addr=self.master_address, master_port=self._master_port(), backend=self.transport,
-            timeout_s=info.timeout_s, load_mode=info.load_mode, verify=info.verify))
+            timeout_s=info.timeout_s, load_mode=info.load_mode, verify=info.verify,
+            receive_while_serving=info.receive_while_serving))
 
     def _claim_engines(self, kv: KVStoreClient, pool: ThreadPoolExecutor) -> None:
         """Rank 0, step 0 (`awex_fast.vllm.rendezvous`): every client's engines claim a place,
@@ -463,23 +464,34 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         info, adapter = self.info, self.adapter
         assert info is not None and adapter is not None
         timeout = info.timeout_s
-        names, clients = self._engine_names(), self._client_names()
+        clients = self._client_names()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             t0 = time.perf_counter()
             leftover = self._close_sessions(pool, timeout)  # a round that failed before its finish
             if leftover:
                 raise SendError(f"round {label}: nothing was sent{leftover}", version=rnd)
+            serving = info.receive_while_serving
+            if serving:  # the round the workers start receiving at their start RPC
+                with contextlib.closing(KVStoreClient(self.kv_url, self.admin_key)) as kv:
+                    rendezvous.announce_round(kv, self._round_pair(), rnd)
             started = call_all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(),
                                timeout)
             self._open_sessions.update(i for i, error in enumerate(started) if error is None)
+            if not any(started) and serving:  # every worker receives already, or says why not
+                started = ["; ".join(e) or None for e in self._reports(f"receiving{rnd}", timeout)]
             if any(started):
                 closing = self._close_sessions(pool, timeout)
                 why = "; ".join(e for e in started if e)
                 raise SendError(f"round {label}: {why}; nothing was sent (every engine keeps its previous "
                                 f"weights and version{closing})", version=rnd)
             t1 = time.perf_counter()
-            updates = [(name, pool.submit(c.update_weights, {"version": rnd}))
-                       for name, c in zip(clients, self.clients, strict=True)]
+
+            def update() -> list[tuple[str, Future]]:
+                return [(name, pool.submit(c.update_weights, {"version": rnd}))
+                        for name, c in zip(clients, self.clients, strict=True)]
+
+            # serving: vLLM keeps generating while the bytes land; its update RPC only applies them
+            updates = [] if serving else update()
             send_error: BaseException | None = None
             sent = 0
             try:
@@ -487,6 +499,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             except BaseException as exc:  # noqa: BLE001 - the workers' own errors say more
                 send_error = exc
             t2 = time.perf_counter()
+            if serving:  # also after a failed send: the workers report, and the sessions close
+                updates = update()
             failures: list[list[str]] = []  # per client: its RPC's and its engines' workers' errors
             for where, fut in updates:
                 try:
@@ -494,16 +508,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
                     failures.append([])
                 except SendError as exc:
                     failures.append([str(exc)])
-            # Every update RPC has returned, and a live worker reports before its RPC returns: the
-            # reports are already there, unless the server is gone.
-            kv = KVStoreClient(self.kv_url, self.admin_key)
-            try:
-                reports = rendezvous.engine_errors(kv, self._round_pair(), self.engine_sizes, names,
-                                                   f"round{rnd}", min(timeout, _REPORT_GRACE_S))
-            finally:
-                kv.close()
-            for engine, worker_errors in zip(self.engines, reports, strict=True):
-                failures[engine.client] += worker_errors
+            for client, worker_errors in enumerate(self._reports(f"round{rnd}", timeout)):
+                failures[client] += worker_errors
             t3 = time.perf_counter()
             # weight_version None closes vLLM's session unlabelled (the sync client protocol). A
             # client over several servers labels all or none: one server that failed keeps all
@@ -531,8 +537,20 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
             outcome = "; ".join([outcome, *(h for h in holds if h)])
             raise SendError(f"round {label} failed on {', '.join(failed) or 'the trainer'}: {why} "
                             f"({outcome})", version=rnd) from send_error
-        return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - t1, "finish_s": t4 - t3,
-                "bytes_sent": sent}
+        # serving: update_s is the apply alone (the stall), receive_s the transfer vLLM served through
+        return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - (t2 if serving else t1),
+                "finish_s": t4 - t3, "bytes_sent": sent, **({"receive_s": t2 - t1} if serving else {})}
+
+    def _reports(self, what: str, timeout: float) -> list[list[str]]:
+        """Per client, its engines' workers' errors for ``what`` (``round<v>``, ``receiving<v>``):
+        a live worker reports before its RPC returns, so they are in unless a server is gone."""
+        with contextlib.closing(KVStoreClient(self.kv_url, self.admin_key)) as kv:
+            reports = rendezvous.engine_errors(kv, self._round_pair(), self.engine_sizes,
+                                               self._engine_names(), what, min(timeout, _REPORT_GRACE_S))
+        per_client: list[list[str]] = [[] for _ in self.clients]
+        for engine, errors in zip(self.engines, reports, strict=True):
+            per_client[engine.client] += errors
+        return per_client
 
     def _close_sessions(self, pool: ThreadPoolExecutor, timeout: float) -> str:
         """Close, unlabelled, every vLLM session this rank left open (a round that failed before

@@ -40,7 +40,11 @@ class AwexFastTrainerInitInfo(TrainerInitInfo):
     block-FP8 vLLM model, "trainer" (default) quantizes on the trainer ranks and sends e4m3 +
     scales (`awex_fast.vllm.fp8_sender`; needs a default process group over the trainer ranks,
     else it falls back), "engine" sends the trainer's dtype and the workers quantize
-    (`awex_fast.vllm.fp8_layout`)."""
+    (`awex_fast.vllm.fp8_layout`). ``receive_while_serving`` (default True): the workers receive
+    each round in the background between ``start_weight_update`` and ``update_weights`` while
+    vLLM keeps generating on the previous version, and only applying it stops generation
+    (`awex_fast.vllm.worker`); False receives inside ``update_weights`` (vLLM stands still for the
+    whole round). It needs staging buffers, so it cannot be combined with ``load_mode="inplace"``."""
 
     backend: ClassVar[str] = "awex_fast"
 
@@ -60,6 +64,7 @@ class AwexFastTrainerInitInfo(TrainerInitInfo):
     load_mode: str = "auto"
     verify: bool = False
     fp8_quantize: str = "trainer"
+    receive_while_serving: bool = True
     master_addr: str | None = None  # the old name of master_address
 
     def __post_init__(self) -> None:
@@ -81,6 +86,9 @@ class AwexFastTrainerInitInfo(TrainerInitInfo):
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if self.fp8_quantize not in ("trainer", "engine"):
             raise ValueError(f"fp8_quantize must be 'trainer' or 'engine', got {self.fp8_quantize!r}")
+        if self.receive_while_serving and self.load_mode == "inplace":
+            raise ValueError("load_mode 'inplace' receives into the live weights, which vLLM reads while it "
+                             "serves; give receive_while_serving=False with it, or load_mode 'staged'/'auto'")
 
     def trainer_world(self) -> tuple[int, int | None]:
         """(the number of trainer ranks, a given ``world_size`` still to be checked against

@@ -8,8 +8,14 @@ vLLM creates one `AwexFastWeightTransferEngine` per worker (``--weight-transfer-
   plan, join the transfer group, warm it up. A layout the backend cannot serve (a name vLLM
   does not know, a vLLM parameter the trainer does not cover, a loader that is not a box copy)
   is refused here, before any byte moves, and the error reaches the trainer.
-* ``start_weight_update``: nothing to prepare (the plan and buffers are cached).
-* ``update_weights({"version": v})``: receive exactly the boxes this worker keeps.
+* ``start_weight_update``: with ``receive_while_serving`` (the default of the trainer side), start
+  receiving the round that trainer rank 0 announced in the KV store on a thread of this
+  worker's (`BackgroundReceive`: the transfer group's own sockets, never vLLM's groups) and
+  return at once, so vLLM keeps generating on the previous version while the bytes land in the
+  staging buffers, which the model never reads; the worker reports ``receiving<v>`` (or why it
+  could not) before returning. Otherwise nothing to prepare (plan and buffers are cached).
+* ``update_weights({"version": v})``: receive exactly the boxes this worker keeps (or wait for
+  the background receive of ``v``), then apply them: only this stops generation.
   ``staged`` (always on CPU, and wherever vLLM post-processes weights): into checkpoint-format
   buffers first; only when every byte arrived on every worker of the engine (they agree over
   vLLM's own CPU group) does vLLM's layerwise reload load them, so a failed transfer leaves the
@@ -47,6 +53,7 @@ from awex_fast.net import KVStoreClient
 from awex_fast.sync import InferenceAdapter, World
 from awex_fast.transport import TransferError
 from awex_fast.vllm import fp8_layout, rendezvous
+from awex_fast.vllm.background_receive import BackgroundReceive
 from awex_fast.vllm.clients import MIXED_WEIGHTS
 from awex_fast.vllm.cpu_moe import cpu_fused_experts, write_processed_experts
 from awex_fast.vllm.layout import LayoutError, LoadLayout, record_load_layout
@@ -75,8 +82,12 @@ class AwexFastWorkerInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
     load_mode: str = "auto"
     verify: bool = False
+    receive_while_serving: bool = False  # receive between start and update (module docstring)
 
     def __post_init__(self) -> None:
+        if self.receive_while_serving and self.load_mode == "inplace":
+            raise ValueError("load_mode 'inplace' receives into the live weights, which vLLM reads while it "
+                             "serves: it cannot receive while serving; use 'staged' or 'auto'")
         if self.load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if not -1 <= int(self.engine_index) < int(self.num_engines):
@@ -134,6 +145,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         self._token = ""  # this engine's claim (`_claim`), shared by its workers
         self.version: int | None = None
         self.last_timings: dict[str, float] = {}
+        self._pending: BackgroundReceive | None = None  # the round receiving while vLLM serves
 
     # --- naming ---------------------------------------------------------------------------------
 
@@ -301,8 +313,10 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         if load_mode == "inplace" and host_transport and self.device.type != "cpu":
             raise LayoutError(f"load_mode 'inplace' into {self.device.type} parameters needs a device "
                               f"transport (nccl or native-nccl); {self.info.backend} moves host memory")
+        # receiving while serving needs buffers the model does not read: never in place
+        serving = self.info is not None and self.info.receive_while_serving
         cuda_unprocessed = (not processed and not self._fp8 and self.device.type == "cuda"
-                            and not host_transport)
+                            and not host_transport and not serving)
         return load_mode == "inplace" or (load_mode == "auto" and cuda_unprocessed), stage_on
 
     def _refuse_unservable(self) -> None:
@@ -345,8 +359,36 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         return self.adapter
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the plan and the receive buffers are cached from init."""
-        self._require_adapter()
+        """Receiving while serving: start receiving the announced round in the background and
+        report ``receiving<v>`` (module docstring); else nothing to prepare. Never raises (an
+        error is reported under the round's status key, and the trainer sends nothing)."""
+        if self.info is None or not self.info.receive_while_serving:
+            self._require_adapter()
+            return
+        self._drop_pending()  # a round whose update never came (the trainer died)
+        rnd = None
+        try:
+            assert self._kv is not None
+            rnd = rendezvous.announced_round(self._kv, self.info.pair, min(self.info.timeout_s, 30.0))
+            adapter = self._require_adapter()
+        except Exception as exc:  # reported to the trainer, never raised (module doc)
+            logger.exception("awex_fast: %s cannot start receiving", self.who)
+            self._status("receiving" if rnd is None else f"receiving{rnd}", exc)
+            return
+        self._pending = BackgroundReceive(adapter, rnd, self.who)
+        self._status(f"receiving{rnd}")
+
+    def _drop_pending(self) -> None:
+        """Forget a background receive whose round was never applied; a receive still running is
+        cut off by tearing the transfer group down (the next init re-forms it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.wait(0.0):
+            logger.warning("awex_fast: %s: round %d was still receiving when dropped; tearing the "
+                           "transfer group down", self.who, pending.round)
+            if self.adapter is not None:
+                self.adapter.teardown_weight_update_group()
+                self.adapter = None
+            pending.wait(self.info.timeout_s if self.info else 60.0)
 
     def receive_weights(self, update_info: AwexFastUpdateInfo) -> None:
         """Receive this worker's boxes of ``update_info.version`` and hand them to vLLM. The
@@ -366,8 +408,13 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         adapter = self._require_adapter()
         t0 = time.perf_counter()
         error: Exception | None = None
+        pending, self._pending = self._pending, None
         try:
-            adapter.execute_weight_update(version)
+            if pending is not None:  # the bytes were landing while vLLM served
+                pending.finish(version, self.info.timeout_s if self.info else 300.0)
+                t0 = pending.started
+            else:
+                adapter.execute_weight_update(version)
         except Exception as exc:  # noqa: BLE001 - the engine's other workers must hear of it first
             error = exc
         # Every worker of this engine loads, or none does: one worker loading the new version while
@@ -382,7 +429,8 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
                    f"another worker of this engine did not receive version {version}")
             raise TransferError(f"{self.who}: {why}; {kept}; the transfer group is torn down and "
                                 "re-forms at the next init") from error
-        self.last_timings = {"receive_s": time.perf_counter() - t0}
+        self.last_timings = {"receive_s": (pending.seconds if pending is not None else
+                                           time.perf_counter() - t0)}
         if self._staged:
             self._load_staged()
         self.version = version
@@ -474,6 +522,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
 
     def shutdown(self) -> None:
         """Leave the transfer group and drop the cached layout and buffers."""
+        self._drop_pending()
         if self.adapter is not None:
             self.adapter.teardown_weight_update_group()
         self.adapter = None
