@@ -20,6 +20,9 @@ void register_ipc_apis(py::module_& m);
 namespace shm {
 void register_apis(py::module_& m);
 }
+namespace quant {
+void register_apis(py::module_& m);
+}
 }  // namespace awex
 
 namespace {
@@ -47,4 +50,5 @@ PYBIND11_MODULE(_C, m) {
   awex::comm::register_apis(m);
   awex::comm::register_ipc_apis(m);
   awex::shm::register_apis(m);
+  awex::quant::register_apis(m);
 }
