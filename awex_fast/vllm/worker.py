@@ -375,7 +375,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
             logger.exception("awex_fast: %s cannot start receiving", self.who)
             self._status("receiving" if rnd is None else f"receiving{rnd}", exc)
             return
-        self._pending = BackgroundReceive(adapter, rnd, self.who)
+        self._pending = BackgroundReceive(adapter, rnd, self.who, self.device)
         self._status(f"receiving{rnd}")
 
     def _drop_pending(self) -> None:
