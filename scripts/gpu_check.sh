@@ -39,6 +39,15 @@ print(json.dumps(i)); assert i['cuda'], 'CUDA part not built'; print(torch.__ver
 section pytest_gpu bash -c "cd '$OUT' && '$PY' -m pytest -m gpu -q -p no:cacheprovider --rootdir '$repo' \
   '$repo'/tests/*/test_gpu_*.py --junitxml='$OUT/pytest_gpu.xml'"
 
+# --- the CUDA kernels' self-checks (copy, cast, checksum, block-FP8 amax / quantize) on this GPU,
+# and the block-FP8 kernels against torch on the GPU and vLLM's quantizer, on their own so a
+# failure shows as its own section (pytest_gpu above runs the file too) ---------------------
+section gpu_selfcheck bash -c "cd '$OUT' && '$PY' -c \"import torch; from awex_fast.transfer import cuda_selfcheck as c; \
+[c.check(k, torch.device('cuda', 0)) or print(k, 'ok') for k in c.KERNELS]\""
+section pytest_gpu_fp8 bash -c "cd '$OUT' && '$PY' -m pytest -m gpu -q -p no:cacheprovider --rootdir '$repo' \
+  '$repo'/tests/transfer/test_gpu_fp8.py --junitxml='$OUT/pytest_gpu_fp8.xml'"
+section bench_fp8 bash -c "cd '$OUT' && '$PY' '$repo'/benchmarks/bench_fp8_quantize.py"
+
 # --- native batched copy against torch device-to-device copy ----------------------------------
 section bench_copy bash -c "cd '$OUT' && '$PY' '$repo'/benchmarks/bench_copy.py --device cuda --samples 20 \
   --json '$OUT/bench_copy.json'"

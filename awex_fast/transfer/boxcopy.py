@@ -123,6 +123,12 @@ class CopyProgram:
         self.nbytes = nbytes
         self.streaming = streaming
         self._keep_alive = keep_alive
+        # The CUDA kernel paths this program takes (bitwise copies, casts), each self-checked on
+        # the device before its first run (awex_fast.transfer.cuda_selfcheck); CPU: none.
+        self._unchecked: tuple[str, ...] = ()
+        if device >= 0 and desc.shape[0]:
+            casts = desc[:, 3] != desc[:, 4]
+            self._unchecked = (("copy",) if not casts.all() else ()) + (("cast",) if casts.any() else ())
 
     @property
     def num_boxes(self) -> int:
@@ -134,6 +140,11 @@ class CopyProgram:
         default: torch's current stream of the device); on the CPU the call returns when done."""
         if self.desc.shape[0] == 0:
             return
+        if self._unchecked:
+            from awex_fast.transfer.cuda_selfcheck import ensure
+            for kernel in self._unchecked:
+                ensure(kernel, self.device)
+            self._unchecked = ()
         if self.device >= 0 and stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         _copy.copy_boxes(self.desc, self.device, int(stream or 0), self.streaming)
@@ -334,8 +345,11 @@ def checksum(buf: torch.Tensor, nbytes: int | None = None, stream: int | None = 
     if not 0 <= nbytes <= size:
         raise ValueError(f"checksum: {nbytes} bytes asked of a {size}-byte buffer")
     device = _device_index(buf, "checksum buffer")
-    if device >= 0 and stream is None:
-        stream = torch.cuda.current_stream(device).cuda_stream
+    if device >= 0:
+        from awex_fast.transfer.cuda_selfcheck import ensure
+        ensure("checksum", device)  # once per device (cached)
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
     return int(_copy.checksum(buf.data_ptr(), nbytes, device, int(stream or 0)))
 
 

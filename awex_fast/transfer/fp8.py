@@ -17,18 +17,26 @@ tensor (the receiver-side route, and a self-check).
 
 A weight with a non-finite element has no scale: `QuantizationError` names the tensor and the
 block before anything is produced from it.
+
+The work is done by the native core's kernels (csrc/quant: CPU, vectorised and threaded; CUDA)
+for float32 / bfloat16 / float16 pieces on the CPU or a CUDA device, bit for bit what the torch
+expressions below compute (those stay as the fallback, for other dtypes or a core built without
+the kernels, and as the tests' oracle). A CUDA kernel serves results only after it has passed
+its self-check on that device (`awex_fast.transfer.cuda_selfcheck`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 __all__ = ["AMAX_FLOOR", "FP8_DTYPE", "FP8_MAX", "BlockGrid", "QuantizationError", "merge_amax",
-           "piece_amax", "quantize_full", "quantize_piece", "scales_from_amax"]
+           "piece_amax", "quantize_full", "quantize_piece", "quantize_piece_into", "scales_from_amax"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -86,18 +94,40 @@ def piece_amax(piece: torch.Tensor, offset: Sequence[int],
     block it touches: (first block (row, column), amax [block rows, block columns]). Blocks the
     piece only partly covers get the amax of that part; `merge_amax` combines the parts."""
     rows_b, cols_b = _check_piece(piece, offset, grid)
+    quant = _native_for(piece)
+    if quant is None:
+        amax = _torch_amax(piece, offset, grid, rows_b, cols_b)
+    else:
+        device = _device_index(piece)
+        if device >= 0:
+            _selfcheck("block_amax", device)
+        amax = torch.empty(len(rows_b), len(cols_b), dtype=torch.float32, device=piece.device)
+        bad = _native_amax(quant, piece, offset, grid, amax)
+        if device < 0:  # the CPU kernel names the first non-finite block itself
+            if bad >= 0:
+                _raise_non_finite(grid, rows_b.start + bad // len(cols_b), cols_b.start + bad % len(cols_b))
+            return (rows_b.start, cols_b.start), amax
+    if not bool(torch.isfinite(amax).all()):
+        i, j = (int(x) for x in (~torch.isfinite(amax)).nonzero()[0])
+        _raise_non_finite(grid, rows_b.start + i, cols_b.start + j)
+    return (rows_b.start, cols_b.start), amax
+
+
+def _raise_non_finite(grid: BlockGrid, i: int, j: int) -> None:
+    raise QuantizationError(f"{grid.name}: block ({i}, {j}) holds a non-finite value; it has no FP8 scale")
+
+
+def _torch_amax(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
+                rows_b: range, cols_b: range) -> torch.Tensor:
+    """`piece_amax`'s amax by torch ops (the fallback and the oracle); non-finite blocks get a
+    non-finite amax."""
     bn, bk = grid.block
     (r0, c0), (rows, cols) = offset, piece.shape
     top, left = r0 - rows_b.start * bn, c0 - cols_b.start * bk
     # the piece laid out over whole blocks, zeros elsewhere (|x| >= 0, so zeros change no max)
     padded = torch.zeros(len(rows_b) * bn, len(cols_b) * bk, dtype=torch.float32, device=piece.device)
     padded[top:top + rows, left:left + cols] = piece.detach().abs().float()
-    amax = padded.view(len(rows_b), bn, len(cols_b), bk).amax(dim=(1, 3))
-    if not bool(torch.isfinite(amax).all()):
-        i, j = (int(x) for x in (~torch.isfinite(amax)).nonzero()[0])
-        raise QuantizationError(f"{grid.name}: block ({rows_b.start + i}, {cols_b.start + j}) holds a "
-                                "non-finite value; it has no FP8 scale")
-    return (rows_b.start, cols_b.start), amax
+    return padded.view(len(rows_b), bn, len(cols_b), bk).amax(dim=(1, 3))
 
 
 def merge_amax(grid: BlockGrid, parts: Iterable[tuple[tuple[int, int], torch.Tensor]]) -> torch.Tensor:
@@ -115,21 +145,129 @@ def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return amax.float().clamp(AMAX_FLOOR) / FP8_MAX
 
 
+def _check_scales(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
+                  scales: torch.Tensor) -> None:
+    rows_b, cols_b = _check_piece(piece, offset, grid)
+    if scales.dim() != 2 or scales.shape[0] < rows_b.stop or scales.shape[1] < cols_b.stop:
+        raise QuantizationError(f"{grid.name}: scales {tuple(scales.shape)} do not reach the blocks of box "
+                                f"{tuple(offset)}+{tuple(piece.shape)} (grid {grid.grid})")
+
+
 def quantize_piece(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
                    scales: torch.Tensor) -> torch.Tensor:
     """``piece`` (the box of the tensor at ``offset``) in e4m3, each element multiplied by the
     reciprocal of its block's scale in float32 (``scales``: the whole grid's, or any part of it
     that starts at block (0, 0)), as vLLM's quantizer does to the full tensor."""
-    rows_b, cols_b = _check_piece(piece, offset, grid)
-    if scales.dim() != 2 or scales.shape[0] < rows_b.stop or scales.shape[1] < cols_b.stop:
-        raise QuantizationError(f"{grid.name}: scales {tuple(scales.shape)} do not reach the blocks of box "
-                                f"{tuple(offset)}+{tuple(piece.shape)} (grid {grid.grid})")
+    _check_scales(piece, offset, grid, scales)
+    if _native_for(piece) is None:
+        return _torch_quantize(piece, offset, grid, scales)
+    out = torch.empty(piece.shape, dtype=torch.uint8, device=piece.device)
+    quantize_piece_into(out, piece, offset, grid, scales)
+    return out.view(FP8_DTYPE)
+
+
+def quantize_piece_into(dst: torch.Tensor, piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
+                        scales: torch.Tensor) -> None:
+    """`quantize_piece` written straight into ``dst`` (uint8 or float8_e4m3fn, the piece's shape
+    and device, any strides: e.g. the piece's region of the e4m3 tensor that is sent), with no
+    intermediate tensor. Same bytes, same checks and errors."""
+    _check_scales(piece, offset, grid, scales)
+    if dst.dtype not in (torch.uint8, FP8_DTYPE):
+        raise QuantizationError(f"{grid.name}: the destination must be uint8 or {FP8_DTYPE}, got {dst.dtype}")
+    if tuple(dst.shape) != tuple(piece.shape) or dst.device != piece.device:
+        raise QuantizationError(f"{grid.name}: destination {tuple(dst.shape)} on {dst.device} does not match "
+                                f"the piece {tuple(piece.shape)} on {piece.device}")
+    if any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
+        # the threads would race on the shared bytes (torch's copy_ refuses this too)
+        raise QuantizationError(f"{grid.name}: the destination has a stride-0 dimension")
+    quant = _native_for(piece)
+    if quant is None:
+        dst.view(torch.uint8).copy_(_torch_quantize(piece, offset, grid, scales).view(torch.uint8))
+        return
+    device = _device_index(piece)
+    if device >= 0:
+        _selfcheck("quantize_blocks", device)
+    _native_quantize(quant, dst, piece, offset, grid, scales)
+
+
+def _torch_quantize(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
+                    scales: torch.Tensor) -> torch.Tensor:
+    """`quantize_piece` by torch ops (the fallback and the oracle)."""
     bn, bk = grid.block
     (r0, c0), (rows, cols) = offset, piece.shape
     inverse = (1.0 / scales.float()).to(piece.device)
     block_row = torch.arange(r0, r0 + rows, device=piece.device) // bn
     block_col = torch.arange(c0, c0 + cols, device=piece.device) // bk
     return (piece.detach().float() * inverse[block_row][:, block_col]).to(FP8_DTYPE)
+
+
+# --- the native kernels (csrc/quant) ---------------------------------------------------------
+
+# dtype codes of csrc/copy/copy.h (kind | itemsize << 8) of the dtypes the kernels read.
+_NATIVE_CODES = {torch.float32: 1 | 4 << 8, torch.bfloat16: 2 | 2 << 8, torch.float16: 3 | 2 << 8}
+
+
+@functools.cache
+def _native_quant(device_type: str) -> ModuleType | None:
+    """The native core's quant module when it serves ``device_type`` tensors, else None."""
+    try:
+        from awex_fast._native import native
+        core = native()
+    except ImportError:  # no compiled core: the torch path
+        return None
+    quant = getattr(core, "quant", None)
+    if device_type == "cuda" and not core.build_info()["cuda"]:
+        return None
+    return quant if device_type in ("cpu", "cuda") else None
+
+
+def _native_for(piece: torch.Tensor) -> ModuleType | None:
+    if piece.dtype not in _NATIVE_CODES:
+        return None
+    return _native_quant(piece.device.type)
+
+
+def _device_index(t: torch.Tensor) -> int:
+    if t.device.type == "cpu":
+        return -1
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _stream(device: int) -> int:
+    return 0 if device < 0 else int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _piece_args(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid) -> tuple[int, ...]:
+    (rows, cols), (sr, sc) = piece.shape, piece.stride()
+    return (piece.data_ptr(), _NATIVE_CODES[piece.dtype], rows, cols, sr, sc, int(offset[0]), int(offset[1]),
+            *grid.block)
+
+
+def _native_amax(quant: ModuleType, piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
+                 out: torch.Tensor) -> int:
+    """The kernel itself, no self-check (`cuda_selfcheck` calls this): the amax of the blocks
+    ``piece`` touches into ``out`` (float32, on its device); the CPU kernel returns the row-major
+    index in ``out`` of the first non-finite block, or -1 (CUDA: always -1)."""
+    device = _device_index(piece)
+    return int(quant.block_amax(*_piece_args(piece, offset, grid), out.data_ptr(), out.stride(0),
+                                out.stride(1), device, _stream(device)))
+
+
+def _native_quantize(quant: ModuleType, dst: torch.Tensor, piece: torch.Tensor, offset: Sequence[int],
+                     grid: BlockGrid, scales: torch.Tensor) -> None:
+    """The kernel itself, no self-check (`cuda_selfcheck` calls this): e4m3 bytes of ``piece``
+    into ``dst`` with the reciprocals of ``scales`` (moved to float32 on the piece's device)."""
+    device = _device_index(piece)
+    s = scales.to(device=piece.device, dtype=torch.float32)
+    quant.quantize_blocks(*_piece_args(piece, offset, grid), s.data_ptr(), s.stride(0), s.stride(1),
+                          dst.data_ptr(), dst.stride(0), dst.stride(1), device, _stream(device))
+    # A temporary `s` may be freed now: the caching allocator hands its memory out again only
+    # to work queued after this kernel on the same stream.
+
+
+def _selfcheck(kernel: str, device: int) -> None:
+    from awex_fast.transfer import cuda_selfcheck
+    cuda_selfcheck.ensure(kernel, device)
 
 
 def quantize_full(weight: torch.Tensor, name: str = "weight",
