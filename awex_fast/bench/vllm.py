@@ -16,7 +16,9 @@ specs and results, no pickle). Routes, interleaved per iteration (iteration 0 is
   inside vLLM's ``update_weights`` RPC: vLLM stands still for the whole round);
 * ``broadcast``: vLLM's ``nccl``-backend algorithm on gloo (`awex_fast.vllm.baselines`): rank 0
   gathers every full tensor, casts, packs 1 GiB buckets, broadcasts them to every worker, which
-  calls ``load_weights`` inside the layerwise reload;
+  calls ``load_weights`` inside the layerwise reload (that reload runs from vLLM's start RPC to
+  its finish, so with the stall meter on generation is paused around the round, ``/pause?mode=
+  keep`` and ``/resume``, as vLLM's RL examples do, and the pause is timed);
 * ``disk``: rank 0 gathers, casts and saves one safetensors file, then every worker reloads it
   through vLLM's own loader (``/collective_rpc`` ``reload_weights(weights_path=DIR)``, vLLM's
   `model_loader.reload.reload_weights`: layerwise reload of ``get_all_weights``);

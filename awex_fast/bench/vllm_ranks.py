@@ -242,7 +242,16 @@ class _TrainerRank:
         engine = engines.get(method)
         if engine is None:
             raise ValueError(f"unknown or uninitialized method {method!r}")
-        engine.send_weights()
+        # vLLM's own engine runs its layerwise reload from start to finish: generating in between
+        # would read half-loaded layers, so (as vLLM's RL examples do) generation pauses around it
+        hold = method == "broadcast" and bool(self.spec.get("stall")) and self.rank == 0
+        if hold:
+            _post(self.url, "/pause?mode=keep", {}, self.timeout)
+        try:
+            engine.send_weights()
+        finally:
+            if hold:
+                _post(self.url, "/resume", {}, self.timeout)
         lr = engine.last_round
         out = {"start": lr.get("start_s"), "update_rpc": lr.get("update_s"), "finalize": lr.get("finish_s")}
         if lr.get("receive_s") is not None:  # received while vLLM served; update is the apply
