@@ -222,7 +222,9 @@ def _native_quant(device_type: str) -> ModuleType | None:
 
 
 def _native_for(piece: torch.Tensor) -> ModuleType | None:
-    if piece.dtype not in _NATIVE_CODES:
+    # Plain tensors only: a subclass (DTensor, a fake or functional tensor) has no data pointer
+    # of its own to hand to a kernel, and torch's ops dispatch it correctly.
+    if piece.dtype not in _NATIVE_CODES or type(piece) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return _native_quant(piece.device.type)
 

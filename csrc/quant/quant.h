@@ -59,6 +59,8 @@ void quantize_blocks_cuda(const Piece& p, const float* scales, int64_t ssr, int6
 
 // --- float32 -> float8_e4m3fn, bit for bit torch's CPU .to(torch.float8_e4m3fn) -------------
 //
+// The same function as c10's fp8e4m3fn_from_fp32_value (torch/headeronly/util/Float8_e4m3fn.h,
+// C10_HOST_DEVICE: torch's CPU and CUDA casts both use it), rewritten without branches.
 // Measured on torch 2.13 (tests/transfer/test_fp8_native.py checks it over all 2^16 bf16
 // values and a large sample of every float32 class): round to nearest even; every finite value
 // at or above 448 in magnitude, and +-inf, saturates to +-448 (0x7e / 0xfe; e4m3fn has no

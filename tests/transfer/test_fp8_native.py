@@ -233,6 +233,21 @@ def test_float64_takes_the_torch_path_with_the_same_result():
                        quantize_piece(w, (0, 0), grid, s).view(torch.uint8))
 
 
+def test_tensor_subclasses_take_the_torch_path():
+    class Wrapped(torch.Tensor):
+        pass
+
+    w = _weight((200, 150), torch.bfloat16, 6)
+    sub = w.as_subclass(Wrapped)
+    grid = BlockGrid("w", (200, 150))
+    assert fp8._native_for(sub) is None and fp8._native_for(torch.nn.Parameter(w)) is not None
+    (_, _), amax = piece_amax(sub, (0, 0), grid)
+    assert torch.equal(torch.Tensor(amax), piece_amax(w, (0, 0), grid)[1])
+    s = scales_from_amax(piece_amax(w, (0, 0), grid)[1])
+    got = torch.Tensor(quantize_piece(sub, (0, 0), grid, s)).view(torch.uint8)
+    assert torch.equal(got, quantize_piece(w, (0, 0), grid, s).view(torch.uint8))
+
+
 # --- the self-check's comparison, run on the CPU kernels ---------------------------------------
 
 @pytest.mark.parametrize("kernel", cuda_selfcheck.KERNELS)
