@@ -27,7 +27,7 @@ from awex_fast.transfer.fp8 import (
     BlockGrid,
     QuantizationError,
     piece_amax,
-    quantize_piece,
+    quantize_piece_into,
     scales_from_amax,
 )
 from awex_fast.vllm.fp8_layout import SCALE_SUFFIX
@@ -104,7 +104,8 @@ class QuantizingSource:
             src = local[name]
             q = self._buffer(name, src.shape, FP8_DTYPE, src.device)
             for p in pieces[name]:
-                _region(q, p).copy_(quantize_piece(_region(src, p), p.global_offset, grid, scales))
+                # fused: read the training dtype, write e4m3 straight into the send buffer
+                quantize_piece_into(_region(q, p), _region(src, p), p.global_offset, grid, scales)
             s = self._buffer(name + SCALE_SUFFIX, scales.shape, torch.float32, src.device)
             s.copy_(scales)
             out[name], out[name + SCALE_SUFFIX] = q, s
