@@ -467,23 +467,8 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         clients = self._client_names()
         with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
             t0 = time.perf_counter()
-            leftover = self._close_sessions(pool, timeout)  # a round that failed before its finish
-            if leftover:
-                raise SendError(f"round {label}: nothing was sent{leftover}", version=rnd)
             serving = info.receive_while_serving
-            if serving:  # the round the workers start receiving at their start RPC
-                with contextlib.closing(KVStoreClient(self.kv_url, self.admin_key)) as kv:
-                    rendezvous.announce_round(kv, self._round_pair(), rnd)
-            started = call_all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(),
-                               timeout)
-            self._open_sessions.update(i for i, error in enumerate(started) if error is None)
-            if not any(started) and serving:  # every worker receives already, or says why not
-                started = ["; ".join(e) or None for e in self._reports(f"receiving{rnd}", timeout)]
-            if any(started):
-                closing = self._close_sessions(pool, timeout)
-                why = "; ".join(e for e in started if e)
-                raise SendError(f"round {label}: {why}; nothing was sent (every engine keeps its previous "
-                                f"weights and version{closing})", version=rnd)
+            self._start(pool, rnd, label, serving, timeout)
             t1 = time.perf_counter()
 
             def update() -> list[tuple[str, Future]]:
@@ -540,6 +525,27 @@ class AwexFastTrainerWeightTransferEngine(TrainerWeightTransferEngine[AwexFastTr
         # serving: update_s is the apply alone (the stall), receive_s the transfer vLLM served through
         return {"start_s": t1 - t0, "send_s": t2 - t1, "update_s": t3 - (t2 if serving else t1),
                 "finish_s": t4 - t3, "bytes_sent": sent, **({"receive_s": t2 - t1} if serving else {})}
+
+    def _start(self, pool: ThreadPoolExecutor, rnd: int, label: str, serving: bool, timeout: float) -> None:
+        """Rank 0: open round ``rnd``'s session on every engine (``serving``: announce the round
+        first, and see every worker receiving it); raises `SendError`, with every session this
+        rank opened closed again, when any engine could not start."""
+        leftover = self._close_sessions(pool, timeout)  # a round that failed before its finish
+        if leftover:
+            raise SendError(f"round {label}: nothing was sent{leftover}", version=rnd)
+        if serving:  # the round the workers start receiving at their start RPC
+            with contextlib.closing(KVStoreClient(self.kv_url, self.admin_key)) as kv:
+                rendezvous.announce_round(kv, self._round_pair(), rnd)
+        started = call_all(pool, self.clients, "start_weight_update", lambda c: c.start_weight_update(),
+                           timeout)
+        self._open_sessions.update(i for i, error in enumerate(started) if error is None)
+        if not any(started) and serving:  # every worker receives already, or says why not
+            started = ["; ".join(e) or None for e in self._reports(f"receiving{rnd}", timeout)]
+        if any(started):
+            closing = self._close_sessions(pool, timeout)
+            why = "; ".join(e for e in started if e)
+            raise SendError(f"round {label}: {why}; nothing was sent (every engine keeps its previous "
+                            f"weights and version{closing})", version=rnd)
 
     def _reports(self, what: str, timeout: float) -> list[list[str]]:
         """Per client, its engines' workers' errors for ``what`` (``round<v>``, ``receiving<v>``):
