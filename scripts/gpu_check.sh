@@ -42,7 +42,7 @@ section pytest_gpu bash -c "cd '$OUT' && '$PY' -m pytest -m gpu -q -p no:cachepr
 # --- the CUDA kernels' self-checks (copy, cast, checksum, block-FP8 amax / quantize) on this GPU,
 # and the block-FP8 kernels against torch on the GPU and vLLM's quantizer, on their own so a
 # failure shows as its own section (pytest_gpu above runs the file too) ---------------------
-section gpu_selfcheck bash -c "cd '$OUT' && '$PY' -c \"import torch; from awex_fast.transfer import cuda_selfcheck as c; \
+section gpu_selfcheck bash -c "cd '$OUT' && '$PY' -c \"import torch; from awex_fast.transfer import boxcopy, cuda_selfcheck as c, fp8; \
 [c.check(k, torch.device('cuda', 0)) or print(k, 'ok') for k in c.KERNELS]\""
 section pytest_gpu_fp8 bash -c "cd '$OUT' && '$PY' -m pytest -m gpu -q -p no:cacheprovider --rootdir '$repo' \
   '$repo'/tests/transfer/test_gpu_fp8.py --junitxml='$OUT/pytest_gpu_fp8.xml'"

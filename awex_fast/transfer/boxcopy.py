@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from awex_fast._native import native
+from awex_fast.transfer import cuda_selfcheck as sc
 
 _copy = native().copy
 _CUDA_BUILT: bool = bool(native().build_info()["cuda"])
@@ -124,7 +125,7 @@ class CopyProgram:
         self.streaming = streaming
         self._keep_alive = keep_alive
         # The CUDA kernel paths this program takes (bitwise copies, casts), each self-checked on
-        # the device before its first run (awex_fast.transfer.cuda_selfcheck); CPU: none.
+        # the device before its first run (`_check_copy`, `_check_cast` below); CPU: none.
         self._unchecked: tuple[str, ...] = ()
         if device >= 0 and desc.shape[0]:
             casts = desc[:, 3] != desc[:, 4]
@@ -141,9 +142,8 @@ class CopyProgram:
         if self.desc.shape[0] == 0:
             return
         if self._unchecked:
-            from awex_fast.transfer.cuda_selfcheck import ensure
             for kernel in self._unchecked:
-                ensure(kernel, self.device)
+                sc.ensure(kernel, self.device)
             self._unchecked = ()
         if self.device >= 0 and stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -346,8 +346,7 @@ def checksum(buf: torch.Tensor, nbytes: int | None = None, stream: int | None = 
         raise ValueError(f"checksum: {nbytes} bytes asked of a {size}-byte buffer")
     device = _device_index(buf, "checksum buffer")
     if device >= 0:
-        from awex_fast.transfer.cuda_selfcheck import ensure
-        ensure("checksum", device)  # once per device (cached)
+        sc.ensure("checksum", device)  # once per device (cached)
         if stream is None:
             stream = torch.cuda.current_stream(device).cuda_stream
     return int(_copy.checksum(buf.data_ptr(), nbytes, device, int(stream or 0)))
@@ -363,6 +362,74 @@ def set_num_threads(n: int) -> None:
 def num_threads() -> int:
     """Threads currently used by CPU copies."""
     return int(_copy.num_threads())
+
+
+# --- the kernels' self-checks (awex_fast.transfer.cuda_selfcheck) ---------------------------
+
+def _raw_copy(program: CopyProgram, device: torch.device) -> None:
+    """Run a CopyProgram's descriptors straight through the kernel (no self-check: this is it)."""
+    index = -1 if device.type == "cpu" else device.index
+    stream = 0 if index < 0 else int(torch.cuda.current_stream(index).cuda_stream)
+    _copy.copy_boxes(program.desc, index, stream, program.streaming)
+
+
+def _pack_unpack(kernel: str, device: torch.device, views: list[torch.Tensor], wire: torch.dtype,
+                 case: str, nan_bits_free: bool) -> None:
+    sizes = [v.numel() for v in views]
+    buf = torch.full((sum(sizes) * wire.itemsize,), 0x5A, dtype=torch.uint8, device=device)
+    offsets = [sum(sizes[:i]) * wire.itemsize for i in range(len(views))]
+    _raw_copy(gather_program(views, buf, offsets, wire), device)
+    want = torch.cat([v.reshape(-1).to(wire) for v in views])
+    sc.compare(kernel, device, f"{case}: pack to {wire}", buf.view(wire), want, nan_bits_free)
+    # back into transposed (strided) destinations of the views' own dtype
+    targets = [torch.zeros(v.shape[::-1], dtype=v.dtype, device=device).t() for v in views]
+    _raw_copy(scatter_program(buf, offsets, wire, targets), device)
+    for k, (got, v) in enumerate(zip(targets, views, strict=True)):
+        sc.compare(kernel, device, f"{case}: unpack view {k} from {wire}", got, v.to(wire).to(v.dtype),
+                   nan_bits_free)
+
+
+def _check_copy(device: torch.device) -> None:
+    """Bitwise copies (same dtype on both sides) of strided views of several element sizes."""
+    gen = sc.sample_generator()
+    raw = torch.randint(0, 256, (97, 130), generator=gen, dtype=torch.uint8)
+    for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):
+        base = raw if dtype == torch.uint8 else torch.randint(
+            0, 256, (97, 130 * dtype.itemsize), generator=gen, dtype=torch.uint8).view(dtype)
+        _pack_unpack("copy", device, sc.strided_views(base.to(device)), dtype, f"{dtype} views",
+                     nan_bits_free=False)
+
+
+def _check_cast(device: torch.device) -> None:
+    """Every cast among float32 / bfloat16 / float16, against ``Tensor.to``. A NaN must stay a NaN
+    but its payload is not compared: torch's own CPU kernels give different NaN bits in their
+    vectorised and scalar loops, and no value depends on them."""
+    gen = sc.sample_generator()
+    values = sc.sample_floats((61, 130), gen)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    for src in floats:
+        base = values.to(src).to(device)
+        for wire in floats:
+            if wire != src:
+                _pack_unpack("cast", device, sc.strided_views(base), wire, f"{src} views", nan_bits_free=True)
+
+
+def _check_checksum(device: torch.device) -> None:
+    """The positional checksum of byte ranges of several lengths (a partial last word included)."""
+    gen = sc.sample_generator()
+    data = torch.randint(0, 256, (3 * 65536 + 13,), generator=gen, dtype=torch.uint8).to(device)
+    index = -1 if device.type == "cpu" else device.index
+    for n in (0, 7, 8, 4099, data.numel()):
+        stream = 0 if index < 0 else int(torch.cuda.current_stream(index).cuda_stream)
+        got = int(_copy.checksum(data.data_ptr(), n, index, stream))
+        want = sc.torch_checksum(data, n)
+        if got != want:
+            sc.fail("checksum", device, f"{n} bytes", f"got {got:#018x}, torch gives {want:#018x}")
+
+
+sc.register("copy", _check_copy)
+sc.register("cast", _check_cast)
+sc.register("checksum", _check_checksum)
 
 
 __all__ = [

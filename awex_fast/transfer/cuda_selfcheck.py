@@ -12,15 +12,24 @@ is cached per (kernel, device) for the life of the process.
 
 `check` is the comparison itself, for any device: the tests run it against the CPU kernels, so
 the logic is exercised where there is no GPU.
+
+This module is the bottom of the self-check and knows no kernel: each kernel's check lives next
+to the kernel (`boxcopy`: copy, cast, checksum; `fp8`: block_amax, quantize_blocks), built from
+the comparison and sample helpers here, and that module `register`s it when it is imported.
+A kernel's check is therefore there whenever the kernel can be used; a caller of `check` alone
+imports the owning module first.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
-__all__ = ["KERNELS", "KernelSelfCheckError", "check", "ensure"]
+__all__ = ["KERNELS", "KernelSelfCheckError", "bits", "check", "compare", "ensure", "fail", "register",
+           "sample_floats", "sample_generator", "strided_views", "torch_checksum"]
 
 KERNELS: tuple[str, ...] = ("copy", "cast", "checksum", "block_amax", "quantize_blocks")
 
@@ -28,6 +37,7 @@ _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
 _passed: set[tuple[str, int]] = set()
 _failed: dict[tuple[str, int], str] = {}
+_checks: dict[str, Callable[[torch.device], None]] = {}
 
 
 class KernelSelfCheckError(RuntimeError):
@@ -55,57 +65,70 @@ def ensure(kernel: str, device: int) -> None:
         raise KernelSelfCheckError(_failed[key])
 
 
+def register(kernel: str, fn: Callable[[torch.device], None]) -> None:
+    """Make ``fn`` the self-check of ``kernel`` (one of `KERNELS`): called with a device, it runs
+    the kernel there on its sample and raises `KernelSelfCheckError` (see `fail`) on a difference.
+    The module that owns the kernel calls this when it is imported."""
+    if kernel not in KERNELS:
+        raise ValueError(f"no self-check slot for kernel {kernel!r} (known: {', '.join(KERNELS)})")
+    _checks[kernel] = fn
+
+
 def check(kernel: str, device: torch.device) -> None:
     """Run ``kernel``'s native implementation on ``device`` (CPU or CUDA) on its sample and
-    compare it with torch's ops there; raises `KernelSelfCheckError` on the first difference."""
-    checks = {"copy": _check_copy, "cast": _check_cast, "checksum": _check_checksum,
-              "block_amax": _check_block_amax, "quantize_blocks": _check_quantize}
-    if kernel not in checks:
+    compare it with torch's ops there; raises `KernelSelfCheckError` on the first difference.
+    The kernel's check must be registered (its module imported), else ValueError."""
+    fn = _checks.get(kernel)
+    if fn is None:
         raise ValueError(f"no self-check for kernel {kernel!r} (known: {', '.join(KERNELS)})")
-    checks[kernel](torch.device(device))
+    fn(torch.device(device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 # --- comparison ------------------------------------------------------------------------------
 
-def _fail(kernel: str, device: torch.device, case: str, detail: str) -> None:
+def fail(kernel: str, device: torch.device, case: str, detail: str) -> NoReturn:
+    """Raise the `KernelSelfCheckError` of ``kernel`` on ``device`` for sample ``case``."""
     raise KernelSelfCheckError(
         f"awex_fast's native {kernel} kernel failed its self-check on {device} ({case}): {detail}; it is "
         "not used on this device (is the extension built for this GPU's architecture and this driver? "
         "rebuild it, or report this with `awex_fast.build_info()` and torch's version)")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits, as a contiguous tensor of the signed integer dtype of its element size."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.contiguous().view(ints[t.element_size()])
 
 
-def _compare(kernel: str, device: torch.device, case: str, got: torch.Tensor, want: torch.Tensor,
+def compare(kernel: str, device: torch.device, case: str, got: torch.Tensor, want: torch.Tensor,
              nan_bits_free: bool = False) -> None:
-    """Bitwise equality of ``got`` and ``want`` (same shape); with ``nan_bits_free`` a NaN must
-    meet a NaN but its bit pattern is free (see _check_cast)."""
+    """Bitwise equality of ``got`` and ``want`` (same shape), else `fail` naming the first
+    differing element; with ``nan_bits_free`` a NaN must meet a NaN but its bit pattern is free
+    (see boxcopy's cast check)."""
     if tuple(got.shape) != tuple(want.shape):
-        _fail(kernel, device, case, f"shape {tuple(got.shape)}, torch's is {tuple(want.shape)}")
-    same = _bits(got) == _bits(want)
+        fail(kernel, device, case, f"shape {tuple(got.shape)}, torch's is {tuple(want.shape)}")
+    same = bits(got) == bits(want)
     if nan_bits_free and got.is_floating_point():
         same |= torch.isnan(got.contiguous()) & torch.isnan(want.contiguous())
     if bool(same.all()):
         return
     index = tuple(int(i) for i in (~same).nonzero()[0])
     g, w = got.contiguous()[index], want.contiguous()[index]
-    _fail(kernel, device, case, f"first differing element {list(index)}: got {g.item()!r} "
-          f"(bits {int(_bits(g.reshape(1))[0]) & _MASK64:#x}), torch gives {w.item()!r} "
-          f"(bits {int(_bits(w.reshape(1))[0]) & _MASK64:#x})")
+    fail(kernel, device, case, f"first differing element {list(index)}: got {g.item()!r} "
+          f"(bits {int(bits(g.reshape(1))[0]) & _MASK64:#x}), torch gives {w.item()!r} "
+          f"(bits {int(bits(w.reshape(1))[0]) & _MASK64:#x})")
 
 
 # --- samples ---------------------------------------------------------------------------------
 
-def _generator() -> torch.Generator:
+def sample_generator() -> torch.Generator:
+    """The seeded generator every sample is drawn from."""
     return torch.Generator().manual_seed(20240607)  # the same sample on every device and run
 
 
-def _floats(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+def sample_floats(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
     """float32 values (made on the CPU: the same on every device) over many magnitudes, with the
     special classes the casts must handle sprinkled in."""
     x = torch.randn(shape, generator=gen) * torch.logspace(-12, 6, shape[1]).to(torch.float32)
@@ -117,60 +140,9 @@ def _floats(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
     return x
 
 
-def _views(base: torch.Tensor) -> list[torch.Tensor]:
+def strided_views(base: torch.Tensor) -> list[torch.Tensor]:
     """Strided views of a 2-D tensor the kernels must walk: whole, cut, stepped, transposed."""
     return [base, base[3:50, 7:101], base[:, ::3], base.t(), base[::2, 1::5].t(), base[5:6, 2:3]]
-
-
-# --- the kernels' checks ---------------------------------------------------------------------
-
-def _raw_copy(program: object, device: torch.device) -> None:
-    """Run a CopyProgram's descriptors straight through the kernel (no self-check: this is it)."""
-    from awex_fast._native import native
-    index = -1 if device.type == "cpu" else device.index
-    stream = 0 if index < 0 else int(torch.cuda.current_stream(index).cuda_stream)
-    native().copy.copy_boxes(program.desc, index, stream, program.streaming)  # type: ignore[attr-defined]
-
-
-def _pack_unpack(kernel: str, device: torch.device, views: list[torch.Tensor], wire: torch.dtype,
-                 case: str, nan_bits_free: bool) -> None:
-    from awex_fast.transfer import boxcopy
-    sizes = [v.numel() for v in views]
-    buf = torch.full((sum(sizes) * wire.itemsize,), 0x5A, dtype=torch.uint8, device=device)
-    offsets = [sum(sizes[:i]) * wire.itemsize for i in range(len(views))]
-    _raw_copy(boxcopy.gather_program(views, buf, offsets, wire), device)
-    want = torch.cat([v.reshape(-1).to(wire) for v in views])
-    _compare(kernel, device, f"{case}: pack to {wire}", buf.view(wire), want, nan_bits_free)
-    # back into transposed (strided) destinations of the views' own dtype
-    targets = [torch.zeros(v.shape[::-1], dtype=v.dtype, device=device).t() for v in views]
-    _raw_copy(boxcopy.scatter_program(buf, offsets, wire, targets), device)
-    for k, (got, v) in enumerate(zip(targets, views, strict=True)):
-        _compare(kernel, device, f"{case}: unpack view {k} from {wire}", got, v.to(wire).to(v.dtype),
-                 nan_bits_free)
-
-
-def _check_copy(device: torch.device) -> None:
-    """Bitwise copies (same dtype on both sides) of strided views of several element sizes."""
-    gen = _generator()
-    raw = torch.randint(0, 256, (97, 130), generator=gen, dtype=torch.uint8)
-    for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):
-        base = raw if dtype == torch.uint8 else torch.randint(
-            0, 256, (97, 130 * dtype.itemsize), generator=gen, dtype=torch.uint8).view(dtype)
-        _pack_unpack("copy", device, _views(base.to(device)), dtype, f"{dtype} views", nan_bits_free=False)
-
-
-def _check_cast(device: torch.device) -> None:
-    """Every cast among float32 / bfloat16 / float16, against ``Tensor.to``. A NaN must stay a NaN
-    but its payload is not compared: torch's own CPU kernels give different NaN bits in their
-    vectorised and scalar loops, and no value depends on them."""
-    gen = _generator()
-    values = _floats((61, 130), gen)
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    for src in floats:
-        base = values.to(src).to(device)
-        for wire in floats:
-            if wire != src:
-                _pack_unpack("cast", device, _views(base), wire, f"{src} views", nan_bits_free=True)
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
@@ -201,79 +173,3 @@ def torch_checksum(buf: torch.Tensor, nbytes: int) -> int:
     terms = _mix64(w ^ _mix64(index + golden))
     size = _mix64(torch.tensor([nbytes], dtype=torch.int64, device=buf.device))
     return (int(terms.sum()) + int(size[0])) & _MASK64
-
-
-def _check_checksum(device: torch.device) -> None:
-    """The positional checksum of byte ranges of several lengths (a partial last word included)."""
-    from awex_fast._native import native
-    gen = _generator()
-    data = torch.randint(0, 256, (3 * 65536 + 13,), generator=gen, dtype=torch.uint8).to(device)
-    index = -1 if device.type == "cpu" else device.index
-    for n in (0, 7, 8, 4099, data.numel()):
-        stream = 0 if index < 0 else int(torch.cuda.current_stream(index).cuda_stream)
-        got = int(native().copy.checksum(data.data_ptr(), n, index, stream))
-        want = torch_checksum(data, n)
-        if got != want:
-            _fail("checksum", device, f"{n} bytes", f"got {got:#018x}, torch gives {want:#018x}")
-
-
-def _quant_cases(device: torch.device) -> list[tuple[str, torch.Tensor, tuple[int, int], object]]:
-    """(case, piece, offset, grid): pieces that cut blocks, partial last blocks, strided and
-    transposed pieces, of each float dtype, with a few all-zero blocks."""
-    from awex_fast.transfer.fp8 import BlockGrid
-    gen = _generator()
-    w = _floats((300, 260), gen)
-    w = torch.where(torch.isfinite(w), w, torch.zeros(()))  # non-finite pieces are refused before
-    w[:16, :24] = 0.0  # an all-zero block of the (16, 24) grid
-    cases = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        full = w.to(dtype)
-        full = torch.where(torch.isfinite(full), full, torch.zeros((), dtype=dtype)).to(device)
-        for block in ((128, 128), (16, 24)):
-            g, gt = BlockGrid("selfcheck", (300, 260), block), BlockGrid("selfcheck.T", (260, 300), block)
-            cases += [(f"{dtype} whole, block {block}", full, (0, 0), g),
-                      (f"{dtype} [37:250, 5:200], block {block}", full[37:250, 5:200], (37, 5), g),
-                      (f"{dtype} [171:, 130:], block {block}", full[171:, 130:], (171, 130), g),
-                      (f"{dtype} transposed [10:200], block {block}", full.t()[10:200], (10, 0), gt),
-                      (f"{dtype} column-strided, block {block}", full[::2, ::3], (0, 0),
-                       BlockGrid("selfcheck.s", (150, 87), block))]
-    return cases
-
-
-def _check_block_amax(device: torch.device) -> None:
-    """Per-block amax against fp8's torch expression, and a non-finite block seen as one."""
-    from awex_fast.transfer import fp8
-    quant = fp8._native_quant(device.type)
-    if quant is None:
-        _fail("block_amax", device, "loading", "the native core has no quant kernels for this device")
-    cases = _quant_cases(device)
-    poisoned = cases[0][1].clone()
-    poisoned[130, 200] = float("nan")
-    poisoned[5, 140] = float("inf")
-    cases.append(("float32 with a NaN and an inf", poisoned, (0, 0), cases[0][3]))
-    for case, piece, offset, grid in cases:
-        rows_b, cols_b = grid.blocks_of(offset, piece.shape)  # type: ignore[attr-defined]
-        want = fp8._torch_amax(piece, offset, grid, rows_b, cols_b)  # type: ignore[arg-type]
-        got = torch.full((len(rows_b), len(cols_b)), -1.0, dtype=torch.float32, device=device)
-        fp8._native_amax(quant, piece, offset, grid, got)  # type: ignore[arg-type]
-        finite = torch.isfinite(want)
-        _compare("block_amax", device, case + " (non-finite blocks)", torch.isfinite(got), finite)
-        _compare("block_amax", device, case, torch.where(finite, got, 0.0), torch.where(finite, want, 0.0))
-
-
-def _check_quantize(device: torch.device) -> None:
-    """e4m3 bytes against fp8's torch expression, written into transposed destinations."""
-    from awex_fast.transfer import fp8
-    quant = fp8._native_quant(device.type)
-    if quant is None:
-        _fail("quantize_blocks", device, "loading", "the native core has no quant kernels for this device")
-    for case, piece, offset, grid in _quant_cases(device):
-        rows_b, cols_b = grid.blocks_of(offset, piece.shape)  # type: ignore[attr-defined]
-        amax = torch.zeros(grid.grid, dtype=torch.float32, device=device)  # type: ignore[attr-defined]
-        amax[rows_b.start:rows_b.stop, cols_b.start:cols_b.stop] = fp8._torch_amax(
-            piece, offset, grid, rows_b, cols_b)  # type: ignore[arg-type]
-        scales = fp8.scales_from_amax(amax)
-        want = fp8._torch_quantize(piece, offset, grid, scales).view(torch.uint8)  # type: ignore[arg-type]
-        got = torch.full(piece.shape[::-1], 0x5A, dtype=torch.uint8, device=device).t()
-        fp8._native_quantize(quant, got, piece, offset, grid, scales)  # type: ignore[arg-type]
-        _compare("quantize_blocks", device, case, got, want)

@@ -22,7 +22,8 @@ The work is done by the native core's kernels (csrc/quant: CPU, vectorised and t
 for float32 / bfloat16 / float16 pieces on the CPU or a CUDA device, bit for bit what the torch
 expressions below compute (those stay as the fallback, for other dtypes or a core built without
 the kernels, and as the tests' oracle). A CUDA kernel serves results only after it has passed
-its self-check on that device (`awex_fast.transfer.cuda_selfcheck`).
+its self-check on that device (`awex_fast.transfer.cuda_selfcheck`; the checks are
+`_check_block_amax` and `_check_quantize` at the end of this module).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from awex_fast.transfer import cuda_selfcheck as sc
 
 __all__ = ["AMAX_FLOOR", "FP8_DTYPE", "FP8_MAX", "BlockGrid", "QuantizationError", "merge_amax",
            "piece_amax", "quantize_full", "quantize_piece", "quantize_piece_into", "scales_from_amax"]
@@ -100,7 +103,7 @@ def piece_amax(piece: torch.Tensor, offset: Sequence[int],
     else:
         device = _device_index(piece)
         if device >= 0:
-            _selfcheck("block_amax", device)
+            sc.ensure("block_amax", device)
         amax = torch.empty(len(rows_b), len(cols_b), dtype=torch.float32, device=piece.device)
         bad = _native_amax(quant, piece, offset, grid, amax)
         if device < 0:  # the CPU kernel names the first non-finite block itself
@@ -186,7 +189,7 @@ def quantize_piece_into(dst: torch.Tensor, piece: torch.Tensor, offset: Sequence
         return
     device = _device_index(piece)
     if device >= 0:
-        _selfcheck("quantize_blocks", device)
+        sc.ensure("quantize_blocks", device)
     _native_quantize(quant, dst, piece, offset, grid, scales)
 
 
@@ -247,7 +250,7 @@ def _piece_args(piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid) -> 
 
 def _native_amax(quant: ModuleType, piece: torch.Tensor, offset: Sequence[int], grid: BlockGrid,
                  out: torch.Tensor) -> int:
-    """The kernel itself, no self-check (`cuda_selfcheck` calls this): the amax of the blocks
+    """The kernel itself, no self-check (the self-checks call this): the amax of the blocks
     ``piece`` touches into ``out`` (float32, on its device); the CPU kernel returns the row-major
     index in ``out`` of the first non-finite block, or -1 (CUDA: always -1)."""
     device = _device_index(piece)
@@ -257,7 +260,7 @@ def _native_amax(quant: ModuleType, piece: torch.Tensor, offset: Sequence[int], 
 
 def _native_quantize(quant: ModuleType, dst: torch.Tensor, piece: torch.Tensor, offset: Sequence[int],
                      grid: BlockGrid, scales: torch.Tensor) -> None:
-    """The kernel itself, no self-check (`cuda_selfcheck` calls this): e4m3 bytes of ``piece``
+    """The kernel itself, no self-check (the self-checks call this): e4m3 bytes of ``piece``
     into ``dst`` with the reciprocals of ``scales`` (moved to float32 on the piece's device)."""
     device = _device_index(piece)
     s = scales.to(device=piece.device, dtype=torch.float32)
@@ -267,11 +270,6 @@ def _native_quantize(quant: ModuleType, dst: torch.Tensor, piece: torch.Tensor, 
     # to work queued after this kernel on the same stream.
 
 
-def _selfcheck(kernel: str, device: int) -> None:
-    from awex_fast.transfer import cuda_selfcheck
-    cuda_selfcheck.ensure(kernel, device)
-
-
 def quantize_full(weight: torch.Tensor, name: str = "weight",
                   block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, float32 scales) of a whole 2-D tensor: what ``per_block_cast_to_fp8``
@@ -279,3 +277,68 @@ def quantize_full(weight: torch.Tensor, name: str = "weight",
     grid = BlockGrid(name, (int(weight.shape[0]), int(weight.shape[1])), tuple(block))  # type: ignore[arg-type]
     scales = scales_from_amax(merge_amax(grid, [piece_amax(weight, (0, 0), grid)]))
     return quantize_piece(weight, (0, 0), grid, scales), scales
+
+
+# --- the kernels' self-checks (awex_fast.transfer.cuda_selfcheck) ---------------------------
+
+def _quant_cases(device: torch.device) -> list[tuple[str, torch.Tensor, tuple[int, int], BlockGrid]]:
+    """(case, piece, offset, grid): pieces that cut blocks, partial last blocks, strided and
+    transposed pieces, of each float dtype, with a few all-zero blocks."""
+    gen = sc.sample_generator()
+    w = sc.sample_floats((300, 260), gen)
+    w = torch.where(torch.isfinite(w), w, torch.zeros(()))  # non-finite pieces are refused before
+    w[:16, :24] = 0.0  # an all-zero block of the (16, 24) grid
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        full = w.to(dtype)
+        full = torch.where(torch.isfinite(full), full, torch.zeros((), dtype=dtype)).to(device)
+        for block in ((128, 128), (16, 24)):
+            g, gt = BlockGrid("selfcheck", (300, 260), block), BlockGrid("selfcheck.T", (260, 300), block)
+            cases += [(f"{dtype} whole, block {block}", full, (0, 0), g),
+                      (f"{dtype} [37:250, 5:200], block {block}", full[37:250, 5:200], (37, 5), g),
+                      (f"{dtype} [171:, 130:], block {block}", full[171:, 130:], (171, 130), g),
+                      (f"{dtype} transposed [10:200], block {block}", full.t()[10:200], (10, 0), gt),
+                      (f"{dtype} column-strided, block {block}", full[::2, ::3], (0, 0),
+                       BlockGrid("selfcheck.s", (150, 87), block))]
+    return cases
+
+
+def _check_block_amax(device: torch.device) -> None:
+    """Per-block amax against the torch expression, and a non-finite block seen as one."""
+    quant = _native_quant(device.type)
+    if quant is None:
+        sc.fail("block_amax", device, "loading", "the native core has no quant kernels for this device")
+    cases = _quant_cases(device)
+    poisoned = cases[0][1].clone()
+    poisoned[130, 200] = float("nan")
+    poisoned[5, 140] = float("inf")
+    cases.append(("float32 with a NaN and an inf", poisoned, (0, 0), cases[0][3]))
+    for case, piece, offset, grid in cases:
+        rows_b, cols_b = grid.blocks_of(offset, piece.shape)
+        want = _torch_amax(piece, offset, grid, rows_b, cols_b)
+        got = torch.full((len(rows_b), len(cols_b)), -1.0, dtype=torch.float32, device=device)
+        _native_amax(quant, piece, offset, grid, got)
+        finite = torch.isfinite(want)
+        sc.compare("block_amax", device, case + " (non-finite blocks)", torch.isfinite(got), finite)
+        sc.compare("block_amax", device, case, torch.where(finite, got, 0.0), torch.where(finite, want, 0.0))
+
+
+def _check_quantize(device: torch.device) -> None:
+    """e4m3 bytes against the torch expression, written into transposed destinations."""
+    quant = _native_quant(device.type)
+    if quant is None:
+        sc.fail("quantize_blocks", device, "loading", "the native core has no quant kernels for this device")
+    for case, piece, offset, grid in _quant_cases(device):
+        rows_b, cols_b = grid.blocks_of(offset, piece.shape)
+        amax = torch.zeros(grid.grid, dtype=torch.float32, device=device)
+        amax[rows_b.start:rows_b.stop, cols_b.start:cols_b.stop] = _torch_amax(
+            piece, offset, grid, rows_b, cols_b)
+        scales = scales_from_amax(amax)
+        want = _torch_quantize(piece, offset, grid, scales).view(torch.uint8)
+        got = torch.full(piece.shape[::-1], 0x5A, dtype=torch.uint8, device=device).t()
+        _native_quantize(quant, got, piece, offset, grid, scales)
+        sc.compare("quantize_blocks", device, case, got, want)
+
+
+sc.register("block_amax", _check_block_amax)
+sc.register("quantize_blocks", _check_quantize)

@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 
-from awex_fast.transfer import cuda_selfcheck, fp8
+from awex_fast.transfer import boxcopy, cuda_selfcheck, fp8  # noqa: F401 (they register the checks)
 from awex_fast.transfer.fp8 import (
     FP8_DTYPE,
     BlockGrid,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import awex_fast as af
-from awex_fast.transfer import cuda_selfcheck, fp8
+from awex_fast.transfer import boxcopy, cuda_selfcheck, fp8  # noqa: F401 (they register the checks)
 from awex_fast.transfer.fp8 import (
     FP8_DTYPE,
     BlockGrid,
