@@ -1,8 +1,9 @@
 """awex_fast: fast, verified weight synchronization from sharded training to sharded inference.
 
-See DESIGN.md for the vocabulary (transfer ranks, canonical names, shard pieces, plans) and the
-public API contract. The native core (awex_fast._C) does planning and copying; this package
-validates inputs and moves torch tensors' memory through it.
+See docs/DESIGN.md for the layers, the vocabulary (transfer ranks, canonical names, shard pieces,
+plans) and the failure contract; the public API is this package's ``_EXPORTS``. The native core
+(awex_fast._C) does planning and copying; this package validates inputs and moves torch tensors'
+memory through it.
 
 Names are imported lazily (PEP 562): `import awex_fast` is cheap, and tools that need only the
 metadata or the KV store (e.g. `awex-fast kv-server`) never load torch or the native core.

@@ -1,4 +1,5 @@
-"""One rank of `awex-fast bench` (see awex_fast/bench.py): ``python -m awex_fast.bench.worker SPEC``.
+"""One rank of `awex-fast bench` (see awex_fast/bench/run.py):
+``python -m awex_fast.bench.worker SPEC``.
 
 Transfer ranks: inference first (``0 .. n_infer-1``), training after. Layouts are rules over
 the canonical names and shapes of awex_fast.layouts.models. Training: FSDP2-style dim-0 chunks of each

@@ -1,9 +1,9 @@
 """Small aiohttp helpers shared by every HTTP surface of awex_fast.
 
 Why this module exists: the KV store, the worker routes, the pair gateway and the inference
-server all speak HTTP, and DESIGN.md fixes aiohttp as the only web stack (the GPU image has no
-other). They need the same few things, and getting each one subtly wrong in four places is how
-security and hang bugs happen:
+server all speak HTTP, and docs/DESIGN.md ("House rules") fixes aiohttp as the only web stack
+(the GPU image has no other). They need the same few things, and getting each one subtly wrong
+in four places is how security and hang bugs happen:
 
 - **Bearer auth** with a constant-time compare (:func:`check_bearer`): 401 when the header is
   missing or malformed, 403 when the key is wrong, each with a JSON ``{"error": ...}`` body.

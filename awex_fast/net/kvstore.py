@@ -2,10 +2,10 @@
 
 Why a KV store at all: the training and inference sides of a weight-sync pair run in different
 jobs and must exchange metadata (``training_params_meta``, ``infer_params_meta``, plan digests,
-colocated handles and acks; key names in DESIGN.md) before any transfer group exists. This
-module holds the data and the error types; `awex_fast.net.kv_server` serves it over HTTP (routes
-and answers as AReaL's weight-update gateway serves them) and `awex_fast.net.kv_client` talks to
-any server with those routes.
+colocated handles and acks; key names in docs/DESIGN.md, "KV keys") before any transfer group
+exists. This module holds the data and the error types; `awex_fast.net.kv_server` serves it over
+HTTP (routes and answers as AReaL's weight-update gateway serves them) and
+`awex_fast.net.kv_client` talks to any server with those routes.
 
 Values are any JSON, kept as their JSON encoding; sets hold strings; both are scoped by pair
 name and live in separate namespaces. The store is bounded (``max_keys``, ``max_total_bytes``):

@@ -17,7 +17,7 @@ handle is JSON.
   each other's weights (a peer device is copied per box with torch; the same device in one
   native launch). PyTorch's ``expandable_segments`` allocator cannot export IPC handles.
 
-Protocol of one update ``version`` (KV keys of DESIGN.md, per pair)::
+Protocol of one update ``version`` (docs/DESIGN.md, "KV keys", per pair)::
 
     training rank r   put  colocate_weights_rank{r}_{version} = {"format", "device", "epoch",
                            "handles_version", "segments", "tensors"}
@@ -60,12 +60,13 @@ class ColocateError(RuntimeError):
 
 
 def weights_key(rank: int, version: int) -> str:
-    """KV key of training rank ``rank``'s handles for ``version`` (DESIGN.md)."""
+    """KV key of training rank ``rank``'s handles for ``version`` (docs/DESIGN.md, "KV keys")."""
     return f"colocate_weights_rank{rank}_{version}"
 
 
 def done_key(rank: int, version: int) -> str:
-    """KV set of the inference ranks that finished reading training rank ``rank`` (DESIGN.md)."""
+    """KV set of the inference ranks that finished reading training rank ``rank``
+    (docs/DESIGN.md, "KV keys")."""
     return f"colocate_done_rank{rank}_{version}"
 
 

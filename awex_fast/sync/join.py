@@ -23,8 +23,8 @@ order, each a small function here:
 Every failure of a step names the step, the pair, the KV store's URL and, where known, the
 missing or failing rank: `JoinError` (`JoinTimeoutError` for a value that never came; also a
 `TimeoutError`). `run_step` turns any other exception of a step into one. Decoding errors stay
-`MetadataError` naming their source. KV keys and values are exactly DESIGN.md's, so peers built
-before this module still meet.
+`MetadataError` naming their source. KV keys and values are exactly docs/DESIGN.md's ("KV
+keys"), so peers built before this module still meet.
 """
 
 from __future__ import annotations

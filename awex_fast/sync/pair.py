@@ -1,7 +1,7 @@
 """WeightSyncPair: one controller connecting a training job and N inference engines.
 
-Contract (the order of calls and what a failure leaves behind; DESIGN.md, "Who drives an
-update"): `WeightSyncPair.connect` asks every worker for ``parallelism_strategy`` and its
+Contract (the order of calls and what a failure leaves behind; docs/DESIGN.md, "Who drives
+an update"): `WeightSyncPair.connect` asks every worker for ``parallelism_strategy`` and its
 metadata (side-local ranks), checks the sizes, publishes the merged metadata of each side in the
 KV store (``training_params_meta`` / ``infer_params_meta``, see `awex_fast.sync.join`, whose
 steps it runs for both sides), assigns transfer ranks (engines first, in order, by prefix sums

@@ -1,6 +1,6 @@
 """The adapter protocol of a weight-sync pair: the two Protocols RL frameworks drive, with the
 exact members and arguments of AReaL's weight-update gateway, and the KV keys both sides of a
-pair meet under (DESIGN.md, "KV keys").
+pair meet under (docs/DESIGN.md, "KV keys").
 
 Contract (who calls what, in which order, what a failure leaves behind):
 
@@ -42,7 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-#: KV keys of a pair (DESIGN.md "KV keys"); values are JSON, metas base64 inside (`awex_fast.sync.join`).
+#: KV keys of a pair (docs/DESIGN.md "KV keys"); values are JSON, metas base64 inside (`awex_fast.sync.join`).
 TRAINING_META_KEY = "training_params_meta"
 INFER_META_KEY = "infer_params_meta"
 MASTER_PORT_KEY = "transfer_master_port"
@@ -51,7 +51,7 @@ AREAL_DEFAULT_ADMIN_KEY = "areal-admin-key"
 
 
 def digest_key(transfer_rank: int) -> str:
-    """KV key where transfer rank ``transfer_rank`` mirrors its plan digest (DESIGN.md)."""
+    """KV key where transfer rank ``transfer_rank`` mirrors its plan digest (docs/DESIGN.md, "KV keys")."""
     return f"plan_digest_rank{transfer_rank}"
 
 

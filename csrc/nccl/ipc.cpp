@@ -1,5 +1,5 @@
 // CUDA IPC for colocated weight sync: export a device allocation from one process, map it in
-// another on the same node, close it again. Python side: awex_fast/colocate.py.
+// another on the same node, close it again. Python side: awex_fast/sync/colocate.py.
 //
 // Why native and not torch's storage._share_cuda_(): the extension never links libtorch, and the
 // handle must travel as bytes inside JSON (no pickled rebuild functions). Why the driver API for

@@ -286,7 +286,7 @@ class Encoder {
 };
 
 // ---------------------------------------------------------------------------------------------
-// merge_metas' native half (awex_fast/meta.py): the distinct shards of one merged parameter, in
+// merge_metas' native half (awex_fast/meta/merge.py): the distinct shards of one merged parameter, in
 // merge order, and their planner records, read once so that build_plan never reads them again.
 
 // Reads exactly `nd` ints of a tuple/sequence into out; false (error cleared) on anything else.

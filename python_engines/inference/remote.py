@@ -23,7 +23,7 @@ Contract:
   or AReaL's gateway formed it), the update only receives. Otherwise the client joins the
   servers itself, with no controller, on the first awex update (and again when the pair fields
   of ``meta`` change, a server holds no group, or after a failed update), by the rule the
-  training side follows (`python_engines.train.engine`, DESIGN.md "Who drives an update"):
+  training side follows (`python_engines.train.engine`, docs/DESIGN.md "Who drives an update"):
   every TP rank leaves any old group; the client collects every rank's side-local metadata,
   merges it per server (one engine per server, in address order), deletes a stale
   ``transfer_master_port``, publishes ``infer_params_meta`` (`awex_fast.sync.join`'s

@@ -1,6 +1,6 @@
 """`RemotevLLMEngine`: the seed `InferenceEngine` over one or more ``vllm serve`` servers.
 
-Why a second client engine: rollouts come from vLLM (DESIGN.md "The inference engine is vLLM"),
+Why a second client engine: rollouts come from vLLM (docs/DESIGN.md, "Layers"),
 and RL code written against AReaL's ``RemotevLLMEngine`` should run unchanged. This engine speaks
 vLLM's own HTTP routes and reuses everything of `RemoteInferenceEngine` that is not specific to
 the project's decoder server (sessions and event loops, POST with retries, the

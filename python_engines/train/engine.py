@@ -28,7 +28,7 @@ For weight sync, `named_local_parameters` exposes the live parameters under thei
 names: DTensors (FSDP2 dim-0 shards, ``_StridedShard`` x ``Shard`` under TP) whose
 ``to_local()`` is this rank's memory; a writer into it updates the model in place.
 
-Awex uploads (DESIGN.md, "Who drives an update") live in `python_engines.train.weight_sync`:
+Awex uploads (docs/DESIGN.md, "Who drives an update") live in `python_engines.train.weight_sync`:
 `weight_sync_adapter` is this engine's ``awex_fast.TrainingAdapter``; ``upload_weights(meta)``
 with type ``"awex"`` sends over the group a controller formed on it, or joins one itself with no
 controller (the steps of ``awex_fast.sync.join``), or, after `connect_engine`, sends into vLLM

@@ -1,6 +1,6 @@
 """Awex uploads of `python_engines.train.engine.FSDPTrainEngine`: its adapter, the controller-less
-join, the send half of an update, and uploads into vLLM servers (DESIGN.md, "Who drives an
-update").
+join, the send half of an update, and uploads into vLLM servers (docs/DESIGN.md, "Who
+drives an update").
 
 `TrainWeightSync.adapter` is the engine's ``awex_fast.TrainingAdapter`` over
 `named_local_parameters` (training-job rank = global rank; gloo on CPU, nccl on CUDA).

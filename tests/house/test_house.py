@@ -1,4 +1,4 @@
-"""The house plan (shared/DESIGN.md, "Layout"), checked on the source tree so it stays true:
+"""The house plan (docs/DESIGN.md, "Layers"), checked on the source tree so it stays true:
 
 * every import inside the project points down the layers and no two modules import each other,
   even lazily (function-level imports count);

@@ -1,5 +1,6 @@
 """The one join (`awex_fast.sync.join`) against a real KV store: each step's value on the wire
-is DESIGN.md's, and each step's failure names the step, the pair, the KV store and the rank."""
+is docs/DESIGN.md's ("KV keys"), and each step's failure names the step, the pair, the KV store
+and the rank."""
 
 from __future__ import annotations
 
