@@ -56,7 +56,9 @@ class TokenStream:
 
         body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True}
-        last: float | None = None  # gaps never span two requests (the second one's prefill)
+        # the first gap runs from sending the request to its first token: a request that waits
+        # behind a stopped engine shows the whole wait (a client sees exactly that)
+        last = time.perf_counter()
         with requests.post(self.url + "/v1/completions", json=body, stream=True, timeout=self.timeout) as r:
             r.raise_for_status()
             for line in r.iter_lines():
@@ -64,8 +66,7 @@ class TokenStream:
                     continue
                 json.loads(line[6:])  # a malformed event is an error, not a token
                 now = time.perf_counter()
-                if last is not None:
-                    self.gaps.append((last, now))
+                self.gaps.append((last, now))
                 last = now
                 if self._stop.is_set():
                     return

@@ -14,13 +14,11 @@ The other ranks learn its address through the default process group (a broadcast
 bytes), or from ``kv_store_url`` / ``admin_api_key`` / ``pair`` given to every rank.
 
 ``client`` may be one `VLLMWeightSyncClient` or a list of them (several vLLM servers fed in one
-round; the engines number themselves as they join).
-
-A round, receiving while serving (the default): rank 0 announces the round in the KV store and
-starts it on every engine (each worker begins receiving in the background and says so), every
-rank sends while vLLM keeps generating, then rank 0's ``update_weights`` has vLLM apply the
-landed bytes (the only pause) and ``finish_weight_update`` labels the version. With
-``receive_while_serving=False`` the update RPC runs concurrently with the sends instead.
+round; the engines number themselves as they join). A round, receiving while serving (the
+default): rank 0 announces it in the KV store and starts it on every engine (each worker begins
+receiving in the background and says so), every rank sends while vLLM keeps generating, then
+``update_weights`` has vLLM apply the landed bytes (the only pause) and ``finish_weight_update``
+labels the version; with ``receive_while_serving=False`` the update RPC runs during the sends.
 
 A round that fails raises on every trainer rank (on rank 0 naming the vLLM worker and what
 failed); the served weights stay at the previous version (staged mode), or, where an

@@ -363,8 +363,7 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         report ``receiving<v>`` (module docstring); else nothing to prepare. Never raises (an
         error is reported under the round's status key, and the trainer sends nothing)."""
         if self.info is None or not self.info.receive_while_serving:
-            self._require_adapter()
-            return
+            return  # nothing to prepare; a missing transfer group fails the round's receive, reported
         self._drop_pending()  # a round whose update never came (the trainer died)
         rnd = None
         try:

@@ -14,6 +14,7 @@ and logprobs. Also: vLLM's online ``--quantization fp8_per_block``.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,11 @@ FALLBACK = {ENV: "1"}
 
 
 def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, route: str,
-                steps: list[int]) -> dict:
+                steps: list[int], timeout_s: float = 180, fail_first: bool = False) -> dict:
     """FSDP2 ranks (float32) train one step per entry of ``steps`` and send each into ``url``
-    with ``fp8_quantize=route``; rank 0 saves the oracle FP8 checkpoint ``w<step>`` first."""
+    with ``fp8_quantize=route``; rank 0 saves the oracle FP8 checkpoint ``w<step>`` first.
+    ``fail_first``: before those, one trained round fails (trainer rank 1 stalls past
+    ``timeout_s`` inside it); its error is returned."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -57,8 +60,26 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = WeightTransferTrainerFactory.trainer_init(
-        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=180, fp8_quantize=route),
+        AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=timeout_s, fp8_quantize=route),
         client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+    failed = None
+    if fail_first:
+        from awex_fast.vllm import SendError
+
+        train_step(model, opt, 99)
+        if rank == 1:  # fault injection: this rank's part of the round starts too late
+            real = engine.adapter.execute_weight_update
+
+            def late(version: int):
+                engine.adapter.execute_weight_update = real
+                time.sleep(timeout_s + 3)
+                return real(version)
+
+            engine.adapter.execute_weight_update = late
+        try:
+            engine.send_weights()
+        except SendError as exc:
+            failed = str(exc)
     rounds = []
     for k in steps:
         full = train_step(model, opt, k)
@@ -70,7 +91,7 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
             record.update(checksums=checksums(url), greedy=greedy(url, PROMPTS, MAX_TOKENS))
         rounds.append(record)
     engine.shutdown()
-    return {"rounds": rounds, "quantizing": engine._quantizer is not None}
+    return {"rounds": rounds, "quantizing": engine._quantizer is not None, "failed": failed}
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +123,18 @@ def test_a_block_fp8_checkpoint_serves_on_this_cpu_with_the_fallback(fp8_server)
 def test_fp8_rounds_from_three_fsdp2_ranks_equal_vllm_quantizing_the_full_weights(fp8_server):
     """Round 1 with the workers quantizing (float32 on the wire), rounds 2 and 3 with the three
     trainer ranks quantizing (e4m3 + scales on the wire, block amax agreed across the shards
-    that cut each block); every round equal to vLLM's quantizer on the full trained weights."""
+    that cut each block), round 4 by a new trainer whose first round failed; every round that
+    landed equal to vLLM's quantizer on the full trained weights."""
     root, model, srv = fp8_server
     out, bf16 = root / "trainer", str(model / "bf16")
     engine_side = run_world(_fp8_rounds, 3, srv.url, bf16, str(out), "engine", [1], timeout=900)
     trainer_side = run_world(_fp8_rounds, 3, srv.url, bf16, str(out), "trainer", [2, 3], timeout=900)
+    # a round that fails (a trainer rank stalls past the timeout), then one that must land exactly
+    after_failure = run_world(_fp8_rounds, 3, srv.url, bf16, str(out), "trainer", [4], 15.0, True,
+                              timeout=900)
     assert not engine_side[0]["quantizing"] and trainer_side[0]["quantizing"]
-    records = [*engine_side[0]["rounds"], *trainer_side[0]["rounds"]]
+    assert all(r["failed"] for r in after_failure), [r["failed"] for r in after_failure]
+    records = [*engine_side[0]["rounds"], *trainer_side[0]["rounds"], *after_failure[0]["rounds"]]
     wire = [sum(r["rounds"][i]["bytes_sent"] for r in world) for world, i in
             ((engine_side, 0), (trainer_side, 0), (trainer_side, 1))]
     assert wire[1] == wire[2] and wire[1] < 0.35 * wire[0], wire  # e4m3 + scales against float32

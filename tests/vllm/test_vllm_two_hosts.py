@@ -145,12 +145,14 @@ def _link_dropped_mid_round(rank: int, world_size: int, url: str, model_dir: str
     class CablePuller(HTTPVLLMWeightSyncClient):
         armed = False
 
-        def update_weights(self, update_info: dict) -> None:
+        def start_weight_update(self) -> None:
+            # the bytes start moving once the start returns (the workers receive while vLLM
+            # serves; without that, the update RPC right after it carries them)
             if self.armed:
                 self.armed = False
                 down = ["ip", "link", "set", "dev", device, "down"]
                 threading.Timer(1.0, lambda: subprocess.run(down, check=True)).start()
-            super().update_weights(update_info)
+            super().start_weight_update()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for layer in model.model.layers:
