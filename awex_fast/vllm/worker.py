@@ -411,7 +411,6 @@ class AwexFastWeightTransferEngine(WeightTransferEngine[AwexFastWorkerInitInfo, 
         try:
             if pending is not None:  # the bytes were landing while vLLM served
                 pending.finish(version, self.info.timeout_s if self.info else 300.0)
-                t0 = pending.started
             else:
                 adapter.execute_weight_update(version)
         except Exception as exc:  # noqa: BLE001 - the engine's other workers must hear of it first

@@ -60,13 +60,9 @@ def _fsdp_model(model_dir: str):
     """The checkpoint as a float32 transformers model under FSDP2 (each layer, then the root),
     with an AdamW optimizer."""
     import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
+    from weight_sources import fsdp2_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fsdp2_model(model_dir)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -79,19 +75,6 @@ def _train_step(model, opt, step: int) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad()
-
-
-def _stall_next_send(adapter, seconds: float) -> None:
-    """Fault injection: this rank's next transfer starts ``seconds`` late (a rank stalled
-    mid-round: a long GC pause, a swapped-out process), then runs for real."""
-    real = adapter.execute_weight_update
-
-    def late(version: int) -> None:
-        adapter.execute_weight_update = real
-        time.sleep(seconds)
-        real(version)
-
-    adapter.execute_weight_update = late
 
 
 def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str, plan: list[str],
@@ -107,6 +90,7 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
         ModuleSource,
         WeightTransferTrainerFactory,
     )
+    from weight_sources import stall_next_send
 
     from awex_fast.vllm import AwexFastTrainerInitInfo, SendError
 
@@ -121,7 +105,7 @@ def _trainer(rank: int, world_size: int, url: str, model_dir: str, out_dir: str,
         _train_step(model, opt, k)
         _save_full(model, model_dir, os.path.join(out_dir, f"w{k}"), rank)
         if kind == "late" and rank == 1:
-            _stall_next_send(engine.adapter, timeout_s + 3)
+            stall_next_send(engine.adapter, timeout_s + 3)
         record: dict = {"round": k, "kind": kind}
         try:
             engine.send_weights()

@@ -14,7 +14,6 @@ and logprobs. Also: vLLM's online ``--quantization fp8_per_block``.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -41,23 +40,18 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
     ``fail_first``: before those, one trained round fails (trainer rank 1 stalls past
     ``timeout_s`` inside it); its error is returned."""
     import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         ModuleSource,
         WeightTransferTrainerFactory,
     )
-    from weight_sources import train_step
+    from weight_sources import fsdp2_model, stall_next_send, train_step
 
     from awex_fast.vllm import AwexFastTrainerInitInfo
     from awex_fast.vllm.fp8_checkpoint import fp8_checkpoint
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fsdp2_model(bf16_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = WeightTransferTrainerFactory.trainer_init(
         AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=timeout_s, fp8_quantize=route),
@@ -68,14 +62,7 @@ def _fp8_rounds(rank: int, world_size: int, url: str, bf16_dir: str, out: str, r
 
         train_step(model, opt, 99)
         if rank == 1:  # fault injection: this rank's part of the round starts too late
-            real = engine.adapter.execute_weight_update
-
-            def late(version: int):
-                engine.adapter.execute_weight_update = real
-                time.sleep(timeout_s + 3)
-                return real(version)
-
-            engine.adapter.execute_weight_update = late
+            stall_next_send(engine.adapter, timeout_s + 3)
         try:
             engine.send_weights()
         except SendError as exc:

@@ -38,22 +38,17 @@ def _slow_round(rank: int, world_size: int, url: str, model_dir: str, out: str, 
     """One trained step sent with rank 1 late by `SLOW_S`; rank 0 asks for greedy tokens
     `ASK_AT_S` into the round and records when they came and what they were."""
     import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         ModuleSource,
         WeightTransferTrainerFactory,
     )
-    from weight_sources import save_bf16, train_step
+    from weight_sources import fsdp2_model, save_bf16, stall_next_send, train_step
 
     from awex_fast.bench.stall import TokenStream, stall_s
     from awex_fast.vllm import AwexFastTrainerInitInfo
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fsdp2_model(model_dir)
     engine = WeightTransferTrainerFactory.trainer_init(
         AwexFastTrainerInitInfo(rank=rank, world_size=world_size, timeout_s=60,
                                 receive_while_serving=serving),
@@ -65,14 +60,7 @@ def _slow_round(rank: int, world_size: int, url: str, model_dir: str, out: str, 
         save_bf16(full, model_dir, os.path.join(out, tag))
     before = greedy(url, PROMPTS, MAX_TOKENS) if rank == 0 else None
     if rank == 1:  # a slow rank: its part of the round starts late, then runs for real
-        real = engine.adapter.execute_weight_update
-
-        def late(version: int):
-            engine.adapter.execute_weight_update = real
-            time.sleep(SLOW_S)
-            return real(version)
-
-        engine.adapter.execute_weight_update = late
+        stall_next_send(engine.adapter, SLOW_S)
     asked: dict = {}
 
     def ask(t0: float) -> None:

@@ -50,21 +50,16 @@ def remote(hosts, dense):
 
 def _rounds(rank: int, world_size: int, url: str, model_dir: str, out: str, kv_host: str | None) -> dict:
     import torch
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         ModuleSource,
         WeightTransferTrainerFactory,
     )
-    from weight_sources import save_bf16, train_step
+    from weight_sources import fsdp2_model, save_bf16, train_step
 
     from awex_fast.vllm import AwexFastTrainerInitInfo
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fsdp2_model(model_dir)
     t0 = time.perf_counter()
     try:
         engine = WeightTransferTrainerFactory.trainer_init(
@@ -131,14 +126,12 @@ def _link_dropped_mid_round(rank: int, world_size: int, url: str, model_dir: str
     import requests
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         ModuleSource,
         WeightTransferTrainerFactory,
     )
-    from weight_sources import save_bf16, train_step
+    from weight_sources import fsdp2_model, save_bf16, train_step
 
     from awex_fast.vllm import AwexFastTrainerInitInfo, SendError
 
@@ -154,10 +147,7 @@ def _link_dropped_mid_round(rank: int, world_size: int, url: str, model_dir: str
                 threading.Timer(1.0, lambda: subprocess.run(down, check=True)).start()
             super().start_weight_update()
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fsdp2_model(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = CablePuller(url, timeout=60)
     engine = WeightTransferTrainerFactory.trainer_init(

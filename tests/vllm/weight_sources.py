@@ -1,11 +1,14 @@
 """`WeightSource`s the vLLM tests train with, as vLLM users write them: a dict of tensors the
 trainer replaces between steps, and a safetensors checkpoint streamed from disk and re-published
-with ``os.replace``. Import only after ``pytest.importorskip("vllm")``."""
+with ``os.replace``; and the trainer side those tests share (an FSDP2 model from a checkpoint,
+one training step, the oracle checkpoint, a rank stalled mid-round). Import only after
+``pytest.importorskip("vllm")``."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
@@ -76,3 +79,30 @@ def train_step(model, opt, seed: int) -> dict:
     opt.step()
     opt.zero_grad()
     return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def fsdp2_model(model_dir: str):
+    """The checkpoint in ``model_dir`` as a float32 transformers model under FSDP2 (each decoder
+    layer, then the root), over the default process group."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def stall_next_send(adapter, seconds: float) -> None:
+    """Fault injection: this rank's next transfer starts ``seconds`` late (a rank stalled
+    mid-round: a long GC pause, a swapped-out process), then runs for real."""
+    real = adapter.execute_weight_update
+
+    def late(version: int):
+        adapter.execute_weight_update = real
+        time.sleep(seconds)
+        return real(version)
+
+    adapter.execute_weight_update = late
